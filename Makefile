@@ -1,0 +1,16 @@
+PYTHON ?= python3
+PIP    := $(PYTHON) -m pip
+
+.PHONY: install test memory
+
+# torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
+# requirement could otherwise pull a multi-GB CUDA build.
+install:
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+
+test: install
+	$(PYTHON) -m pytest -q
+
+memory: install
+	$(PYTHON) benchmarks/memory.py

@@ -1,0 +1,74 @@
+"""Reference sink + window attention in plain PyTorch (the CPU path; the kernels' oracle).
+
+Keys carry their logical positions; the visible-set rule is one mask:
+``visible(i, p) = 0 <= p <= i and (p < S or p > i - W)`` — which is ``[0..i]`` while
+``i < S + W`` and ``[0..S-1] ∪ [i-W+1 .. i]`` after. Empty slots have position -1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .rope import Rotary
+
+_QUERY_CHUNK = 256  # bounds the [T, N] score matrix of long prefills
+
+
+def visible_mask(q_pos: Tensor, k_pos: Tensor, sink_tokens: int, recent_tokens: int) -> Tensor:
+    """bool ``[T, N]``: may the query at ``q_pos[t]`` see the key at ``k_pos[n]``."""
+    q = q_pos.unsqueeze(-1)
+    k = k_pos.unsqueeze(-2)
+    return (k >= 0) & (k <= q) & ((k < sink_tokens) | (k > q - recent_tokens))
+
+
+def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, *,
+                          sink_tokens: int, recent_tokens: int, scale: float | None = None,
+                          rotary: Rotary | None = None, sink_logits: Tensor | None = None) -> Tensor:
+    """Attention of queries at ``q_pos`` over keys at ``k_pos`` under the sink + window rule.
+
+    q: ``[B, H, T, D]``; k, v: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA: query head h
+    reads kv head ``h // (H // Hkv)``); q_pos ``[T]``, k_pos ``[N]`` int64 (-1 = empty slot).
+    rotary: if given (``cache_index`` contract), q and k are pre-RoPE and are rotated by their
+      index in the cache: sinks keep 0..S-1, the visible recent tokens follow contiguously, so
+      a query at i has index min(i, S+W-1) and a recent key keeps its distance to the query.
+    sink_logits: optional ``[H]`` learned per-head logits (gpt-oss) adding ``exp(s_h)`` to the
+      softmax denominator with no value.
+    Returns ``[B, H, T, D]`` in q's dtype; computes in float32 (float64 if q is float64).
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = D ** -0.5 if scale is None else scale
+    kf = k.to(work)
+    vf = v.to(work)
+    qg = q.to(work).reshape(B, Hkv, G, T, D)
+    if rotary is not None:
+        # Relative-position form of the cache-index rotation: scores depend only on
+        # (query index - key index). Recent keys keep their true distance to the query,
+        # so both are rotated relative to a common base that keeps the angles small;
+        # sink keys sit at index p, the query at min(i, C-1).
+        base = torch.clamp(q_pos.min() - recent_tokens + 1, min=0)
+        k_recent = rotary.rotate(kf, k_pos - base)
+        k_sink = rotary.rotate(kf, k_pos.clamp(min=0))
+        is_sink = (k_pos < sink_tokens).view(1, 1, 1, 1, -1)
+    out = torch.empty(B, Hkv, G, T, D, dtype=work, device=q.device)
+    for t0 in range(0, T, _QUERY_CHUNK):
+        t1 = min(t0 + _QUERY_CHUNK, T)
+        qc, pc = qg[:, :, :, t0:t1], q_pos[t0:t1]
+        if rotary is None:
+            scores = torch.einsum("bhgtd,bhnd->bhgtn", qc, kf)
+        else:
+            q_recent = rotary.rotate(qc, pc - base)
+            q_sink = rotary.rotate(qc, pc.clamp(max=sink_tokens + recent_tokens - 1))
+            scores = torch.where(is_sink, torch.einsum("bhgtd,bhnd->bhgtn", q_sink, k_sink),
+                                 torch.einsum("bhgtd,bhnd->bhgtn", q_recent, k_recent))
+        scores = scores * scale
+        scores = scores.masked_fill(~visible_mask(pc, k_pos, sink_tokens, recent_tokens), float("-inf"))
+        if sink_logits is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            s = sink_logits.to(work).reshape(1, Hkv, G, 1, 1).expand(B, Hkv, G, t1 - t0, 1)
+            probs = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
+        out[:, :, :, t0:t1] = torch.einsum("bhgtn,bhnd->bhgtd", probs, vf)
+    return out.reshape(B, H, T, D).to(q.dtype)

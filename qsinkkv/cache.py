@@ -1,0 +1,287 @@
+"""SinkQuantCache: bf16 attention sinks + an int8/int4 quantized recent window, per layer.
+
+Storage per layer (allocated once; see ``layout.py`` for which slot holds which token):
+
+  sink_k, sink_v       [B, Hkv, S, D]              sink_dtype
+  float_k, float_v     [B, Hkv, float_slots*bs, D] window_dtype   (filling block + residual)
+  key_codes            [B, Hkv, quant_slots, bs, D/cpb] uint8     (cpb = 2 for int4, else 1)
+  key_scale, key_zero  [B, Hkv, quant_slots, D]               scale_dtype, per block & channel
+  value_codes          [B, Hkv, quant_slots, bs, D/cpb] uint8
+  value_scale, value_zero [B, Hkv, quant_slots, bs, D/G]      scale_dtype, per token & group
+
+Decode (one new token): the token is stored, then its query attends over the storage.
+Prefill (a chunk of T > 1 tokens): each query attends over what the cache held before the
+chunk plus the chunk's own full-precision K/V under the exact sink + window mask (as
+KIVI does); then the chunk is stored. Blocks that are evicted before they could ever be
+seen are never quantized.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import quant
+from .attention import sink_window_attention, visible_mask
+from .config import CacheConfig
+from .layout import WindowLayout
+from .rope import Rotary
+
+
+class LayerCache:
+    """One layer's storage. Callers validate inputs; ``append`` commits nothing until every
+    block it must quantize has been quantized successfully."""
+
+    def __init__(self, config: CacheConfig, layout: WindowLayout, batch_size: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device):
+        self.config, self.layout = config, layout
+        self.seq_len = 0
+        B, H, D, S, bs = batch_size, num_kv_heads, head_dim, config.sink_tokens, config.block_size
+        zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        self.sink_k = zeros(B, H, S, D, dtype=config.sink_dtype)
+        self.sink_v = zeros(B, H, S, D, dtype=config.sink_dtype)
+        self.float_k = zeros(B, H, layout.float_slots * bs, D, dtype=config.window_dtype)
+        self.float_v = zeros(B, H, layout.float_slots * bs, D, dtype=config.window_dtype)
+        nq, Dc = layout.quant_slots, D // quant.codes_per_byte(config.bits)
+        if config.bits == 16:
+            nq = 0
+        self.key_codes = zeros(B, H, nq, bs, Dc, dtype=torch.uint8)
+        self.key_scale = zeros(B, H, nq, D, dtype=config.scale_dtype)
+        self.key_zero = zeros(B, H, nq, D, dtype=config.scale_dtype)
+        self.value_codes = zeros(B, H, nq, bs, Dc, dtype=torch.uint8)
+        groups = D // config.value_group_size if config.bits != 16 else 0
+        self.value_scale = zeros(B, H, nq, bs, groups, dtype=config.scale_dtype)
+        self.value_zero = zeros(B, H, nq, bs, groups, dtype=config.scale_dtype)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {name: t for name, t in vars(self).items() if isinstance(t, Tensor)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def reset(self) -> None:
+        self.seq_len = 0
+        for t in self.tensors().values():
+            t.zero_()
+
+    # --- writing ------------------------------------------------------------------------------
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """Store ``k, v [B, Hkv, T, D]`` at positions seq_len .. seq_len + T - 1."""
+        L, cfg, bs = self.layout, self.config, self.config.block_size
+        n0, T = self.seq_len, k.shape[2]
+        n_sink = min(max(cfg.sink_tokens - n0, 0), T)
+        m0, m1 = L.recent_count(n0), L.recent_count(n0 + T)
+        q0, q1 = L.quantized_blocks(m0), L.quantized_blocks(m1)
+        # Blocks before `first` are never visible again: neither quantize nor store them.
+        first = max(q0, L.first_kept_block(m1))
+        start = first * bs
+        n_quant = (q1 - first) * bs
+        if m1 > m0:
+            # Recent tokens [start, m1) in window_dtype: the tail of the float ring, then the chunk.
+            # Blocks are always quantized from their window_dtype values, however they arrived.
+            seq_k, seq_v = [x[:, :, n_sink + max(start - m0, 0):].to(cfg.window_dtype) for x in (k, v)]
+            if start < m0:
+                idx = self._float_index(start, m0)
+                seq_k = torch.cat((self.float_k[:, :, idx], seq_k), dim=2)
+                seq_v = torch.cat((self.float_v[:, :, idx], seq_v), dim=2)
+        if n_quant > 0:  # quantize first: a failure must leave the cache untouched
+            B, H, _, D = seq_k.shape
+            blocks = (B, H, q1 - first, bs, D)
+            key = quant.quantize_key_blocks(seq_k[:, :, :n_quant].reshape(blocks), cfg.bits, cfg.scale_dtype)
+            value = quant.quantize_values(seq_v[:, :, :n_quant].reshape(blocks), cfg.bits,
+                                          cfg.value_group_size, cfg.scale_dtype)
+        # --- commit ---
+        if n_sink:
+            self.sink_k[:, :, n0:n0 + n_sink] = k[:, :, :n_sink].to(cfg.sink_dtype)
+            self.sink_v[:, :, n0:n0 + n_sink] = v[:, :, :n_sink].to(cfg.sink_dtype)
+        if n_quant > 0:
+            slots = torch.arange(first, q1, device=k.device) % L.quant_slots
+            for dst, src in zip((self.key_codes, self.key_scale, self.key_zero,
+                                 self.value_codes, self.value_scale, self.value_zero), key + value):
+                dst.index_copy_(2, slots, src)
+        if m1 > m0 and m1 > q1 * bs:
+            idx = self._float_index(q1 * bs, m1)
+            self.float_k.index_copy_(2, idx, seq_k[:, :, n_quant:])
+            self.float_v.index_copy_(2, idx, seq_v[:, :, n_quant:])
+        self.seq_len = n0 + T
+
+    def _float_index(self, r0: int, r1: int) -> Tensor:
+        """Float-ring rows of recent tokens r0 .. r1-1."""
+        return torch.arange(r0, r1, device=self.float_k.device) % self.float_k.shape[2]
+
+    # --- reading ------------------------------------------------------------------------------
+    def slot_positions(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Logical positions held by each slot (-1: empty, or a block never written):
+        sinks ``[S]``, quantized ring ``[quant_slots * bs]``, float ring ``[float_slots * bs]``.
+        Stale tokens (older than the window) keep their position; the mask drops them."""
+        L, bs, n = self.layout, self.config.block_size, self.seq_len
+        dev = self.sink_k.device
+        S = self.config.sink_tokens
+        sink_pos = torch.arange(S, device=dev)
+        sink_pos = torch.where(sink_pos < n, sink_pos, -1)
+        m = L.recent_count(n)
+        q = L.quantized_blocks(m)
+        nq = self.key_codes.shape[2]
+        slot = torch.arange(nq, device=dev)
+        block = q - 1 - (q - 1 - slot) % max(nq, 1)  # newest block b < q with b % nq == slot
+        quant_pos = (S + block * bs).unsqueeze(-1) + torch.arange(bs, device=dev)
+        quant_pos = torch.where((block >= 0).unsqueeze(-1), quant_pos, -1).flatten()
+        F = self.float_k.shape[2]
+        row = torch.arange(F, device=dev)
+        r = m - 1 - (m - 1 - row) % F  # newest recent index r < m stored in this row
+        float_pos = torch.where((r >= q * bs) & (r >= 0), S + r, -1)
+        return sink_pos, quant_pos, float_pos
+
+    def gather(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """Every stored token, dequantized: k, v ``[B, Hkv, N, D]`` in ``dtype`` and positions ``[N]``."""
+        cfg = self.config
+        sink_pos, quant_pos, float_pos = self.slot_positions()
+        ks, vs = [self.sink_k.to(dtype)], [self.sink_v.to(dtype)]
+        if quant_pos.numel():
+            B, H, nq, bs, _ = self.key_codes.shape
+            ks.append(quant.dequantize_key_blocks(self.key_codes, self.key_scale, self.key_zero, cfg.bits)
+                      .reshape(B, H, nq * bs, -1).to(dtype))
+            vs.append(quant.dequantize_values(self.value_codes, self.value_scale, self.value_zero, cfg.bits,
+                                              cfg.value_group_size).reshape(B, H, nq * bs, -1).to(dtype))
+        ks.append(self.float_k.to(dtype))
+        vs.append(self.float_v.to(dtype))
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat((sink_pos, quant_pos, float_pos))
+
+
+class SinkQuantCache:
+    """A multi-layer KV cache with bf16 sinks and a quantized recent window.
+
+    ``SinkQuantCache(config, num_layers, batch_size, num_kv_heads, head_dim, device, dtype, rotary=None)``
+    dtype is the dtype of the K/V (and queries) the model passes in. With
+    ``config.positions == "cache_index"`` pass ``rotary`` (a fixed ``Rotary`` schedule) and
+    give pre-RoPE queries and keys: the cache rotates them by their index in the cache.
+    """
+
+    def __init__(self, config: CacheConfig, num_layers: int, batch_size: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 rotary: Rotary | None = None):
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        config.check_head_dim(head_dim)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a float torch.dtype, got {dtype!r}")
+        if config.positions == "cache_index":
+            if not isinstance(rotary, Rotary):
+                raise ValueError("positions='cache_index' needs rotary=Rotary(...) (the model's fixed RoPE schedule) "
+                                 f"and pre-RoPE queries/keys, got rotary={rotary!r}")
+            if rotary.head_dim != head_dim:
+                raise ValueError(f"rotary covers head_dim={rotary.head_dim}, the cache has head_dim={head_dim}")
+        elif rotary is not None:
+            raise ValueError("rotary is only used with positions='cache_index'; with 'absolute' pass "
+                             "keys already rotated at their true positions and rotary=None")
+        self.config = config
+        self.layout = WindowLayout.from_config(config)
+        self.num_layers, self.batch_size = num_layers, batch_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.device = torch.empty(0, device=device).device
+        self.dtype = dtype
+        self.rotary = rotary
+        self.layers = [LayerCache(config, self.layout, batch_size, num_kv_heads, head_dim, self.device)
+                       for _ in range(num_layers)]
+
+    # --- the small interface ----------------------------------------------------------------
+    @property
+    def seq_length(self) -> int:
+        """Tokens seen by layer 0."""
+        return self.layers[0].seq_len
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        self._check_layer(layer)
+        return self.layers[layer].seq_len
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers: codes, scales, zeros, sinks and unquantized blocks."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Store new tokens ``k, v [B, Hkv, T, D]`` of ``layer`` (any T >= 1)."""
+        self._check_kv(layer, k, v)
+        self.layers[layer].append(k, v)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
+               sink_logits: Tensor | None = None) -> Tensor:
+        """Store the new tokens' ``k, v [B, Hkv, T, D]`` and return the attention output of their
+        queries ``q [B, H, T, D]`` (``H`` a multiple of ``Hkv``): ``[B, H, T, D]`` in q's dtype.
+
+        scale defaults to ``D ** -0.5``; sink_logits ``[H]`` are optional learned per-head sink
+        logits (gpt-oss) adding ``exp(s_h)`` to the softmax denominator.
+        """
+        self._check_kv(layer, k, v)
+        self._check_q(q, k, sink_logits)
+        cache, cfg = self.layers[layer], self.config
+        n0, T = cache.seq_len, k.shape[2]
+        if T == 1:  # decode: store, then attend over exactly what is stored
+            cache.append(k, v)
+            keys, values, k_pos = cache.gather(k.dtype)
+        else:  # prefill: what was stored before + this chunk in full precision; stored after
+            keys, values, k_pos = cache.gather(k.dtype)
+            keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
+            k_pos = torch.cat((k_pos, torch.arange(n0, n0 + T, device=k.device)))
+        out = sink_window_attention(q, keys, values, torch.arange(n0, n0 + T, device=q.device), k_pos,
+                                    sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, scale=scale,
+                                    rotary=self.rotary, sink_logits=sink_logits)
+        if T > 1:
+            cache.append(k, v)
+        return out
+
+    def visible_positions(self, layer: int = 0) -> list[int]:
+        """Logical positions a query at the newest position of ``layer`` sees, read from storage."""
+        self._check_layer(layer)
+        cache = self.layers[layer]
+        pos = torch.cat(cache.slot_positions())
+        n = cache.seq_len
+        seen = visible_mask(torch.tensor([n - 1], device=pos.device), pos,
+                            self.config.sink_tokens, self.config.recent_tokens)[0]
+        return sorted(pos[seen].tolist())
+
+    # --- validation: everything is checked before any state changes ------------------------
+    def _check_layer(self, layer) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    def _check_tensor(self, name: str, x, shape: str) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims {shape}, got shape {tuple(x.shape)}")
+        if x.dtype != self.dtype:
+            raise ValueError(f"{name}.dtype must be the cache dtype {self.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"{name}.device must be the cache device {self.device}, got {x.device}")
+
+    def _check_kv(self, layer, k, v) -> None:
+        self._check_layer(layer)
+        B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
+        shape = f"[B={B}, Hkv={H}, T, D={D}]"
+        for name, x in (("k", k), ("v", v)):
+            self._check_tensor(name, x, shape)
+            if x.shape[0] != B or x.shape[1] != H or x.shape[3] != D or x.shape[2] < 1:
+                raise ValueError(f"{name} must have shape {shape} with T >= 1, got {tuple(x.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        for name, x in (("k", k), ("v", v)):
+            if not torch.isfinite(x).all():
+                raise ValueError(f"{name} contains NaN or Inf; refusing to store it (it would poison a "
+                                 "whole block's scales)")
+
+    def _check_q(self, q, k: Tensor, sink_logits) -> None:
+        B, T, D = self.batch_size, k.shape[2], self.head_dim
+        shape = f"[B={B}, H, T={T}, D={D}] with H a multiple of Hkv={self.num_kv_heads}"
+        self._check_tensor("q", q, shape)
+        if q.shape[0] != B or q.shape[2] != T or q.shape[3] != D or q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"q must have shape {shape}, got {tuple(q.shape)}")
+        if sink_logits is not None:
+            if not isinstance(sink_logits, Tensor) or sink_logits.shape != (q.shape[1],):
+                raise ValueError(f"sink_logits must be a tensor of shape [H={q.shape[1]}], got "
+                                 f"{getattr(sink_logits, 'shape', sink_logits)!r}")

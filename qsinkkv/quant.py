@@ -1,0 +1,128 @@
+"""Quantization primitives in plain PyTorch: the CPU path and the reference for the kernels.
+
+Asymmetric integer codes (KIVI): ``x ≈ code * scale + zero`` with ``zero = min`` and
+``scale = (max - min) / (2**bits - 1)`` over a reduction group, codes in ``[0, 2**bits - 1]``
+stored as uint8. int4 packs two codes per byte along the channel axis: channel ``2j`` in
+the low nibble, channel ``2j + 1`` in the high nibble.
+
+Rounding rule (the Triton kernels use the same, so codes are bit-identical):
+scale and zero are rounded to the storage ``scale_dtype`` first, and codes are computed
+in float32 from the *stored* values as ``floor((x - zero) / scale + 0.5)``, clamped.
+A group whose stored scale is 0 (all values equal) gets codes 0.
+
+Keys are quantized per channel within a block of tokens, values per token within
+groups of channels; both are thin views over one ``quantize_asym``.
+
+Also here: per-tensor symmetric int8/int4, the baseline the eval compares against.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def max_code(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def codes_per_byte(bits: int) -> int:
+    return 2 if bits == 4 else 1
+
+
+def quantize_asym(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric quantization of ``x`` with one (scale, zero) per slice along ``dim``.
+
+    Returns unpacked ``codes`` (uint8, shape of x) and ``scale``, ``zero`` (``scale_dtype``,
+    shape of x with ``dim`` reduced to size 1). Raises ValueError if a scale or zero does
+    not fit in ``scale_dtype`` (it would poison the whole group).
+    """
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True)
+    hi = xf.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / max_code(bits)).to(scale_dtype)
+    zero = lo.to(scale_dtype)
+    if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        raise ValueError(
+            f"values of magnitude up to {xf.abs().max().item():.3g} overflow scale_dtype={scale_dtype}; "
+            "use CacheConfig(scale_dtype=torch.float32)")
+    codes = quantize_with(xf, scale, zero, bits)
+    return codes, scale, zero
+
+
+def quantize_with(xf: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
+    """Codes of float32 ``xf`` under stored ``scale``/``zero`` (broadcastable), the shared rounding rule."""
+    s = scale.float()
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.floor((xf - zero.float()) / s + 0.5)
+    return q.clamp_(0, max_code(bits)).to(torch.uint8)
+
+
+def dequantize_asym(codes: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+    """float32 ``codes * scale + zero`` (unpacked codes, broadcastable scale/zero)."""
+    return codes.float() * scale.float() + zero.float()
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """Pack uint8 codes along the last axis: int4 -> two per byte ``[..., D] -> [..., D/2]``; int8 as is."""
+    if bits == 8:
+        return codes
+    if codes.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even last dimension, got {codes.shape[-1]}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack(packed: Tensor, bits: int) -> Tensor:
+    """Inverse of ``pack``: ``[..., D/2] -> [..., D]`` uint8 codes for int4; int8 as is."""
+    if bits == 8:
+        return packed
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+# --- keys: per channel within a block of tokens -------------------------------------------
+
+def quantize_key_blocks(k: Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """k ``[..., nblk, bs, D]`` -> packed codes ``[..., nblk, bs, D/cpb]`` uint8,
+    scale/zero ``[..., nblk, D]`` (one per block and channel)."""
+    codes, scale, zero = quantize_asym(k, bits, dim=-2, scale_dtype=scale_dtype)
+    return pack(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
+
+
+def dequantize_key_blocks(codes: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
+    """Inverse of ``quantize_key_blocks``: float32 ``[..., nblk, bs, D]``."""
+    return dequantize_asym(unpack(codes, bits), scale.unsqueeze(-2), zero.unsqueeze(-2))
+
+
+# --- values: per token within groups of channels -------------------------------------------
+
+def quantize_values(v: Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """v ``[..., T, D]`` -> packed codes ``[..., T, D/cpb]`` uint8, scale/zero ``[..., T, D/group_size]``."""
+    d = v.shape[-1]
+    grouped = v.reshape(*v.shape[:-1], d // group_size, group_size)
+    codes, scale, zero = quantize_asym(grouped, bits, dim=-1, scale_dtype=scale_dtype)
+    return pack(codes.flatten(-2), bits), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_values(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, group_size: int) -> Tensor:
+    """Inverse of ``quantize_values``: float32 ``[..., T, D]``."""
+    c = unpack(codes, bits)
+    grouped = c.reshape(*c.shape[:-1], c.shape[-1] // group_size, group_size)
+    return dequantize_asym(grouped, scale.unsqueeze(-1), zero.unsqueeze(-1)).flatten(-2)
+
+
+# --- per-tensor symmetric: the baseline ------------------------------------------------------
+
+def quantize_per_tensor_symmetric(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """One float32 scale for the whole tensor: ``x ≈ code * scale``, int8 codes in
+    ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]`` (unpacked, one code per element)."""
+    if bits not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    qmax = (1 << (bits - 1)) - 1
+    xf = x.float()
+    scale = xf.abs().amax() / qmax
+    s = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.floor(xf / s + 0.5).clamp_(-qmax, qmax).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_per_tensor_symmetric(codes: Tensor, scale: Tensor) -> Tensor:
+    return codes.float() * scale

@@ -1,0 +1,83 @@
+"""Quantization primitives: pack/unpack round trips and error bounds."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsinkkv import quant
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=0, max_size=3), half=st.integers(1, 16), seed=st.integers(0, 2**31))
+def test_int4_pack_round_trip(shape, half, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (*shape, 2 * half), generator=g, dtype=torch.uint8)
+    packed = quant.pack(codes, 4)
+    assert packed.shape == (*shape, half) and packed.dtype == torch.uint8
+    assert torch.equal(quant.unpack(packed, 4), codes)
+
+
+def test_int4_nibble_order():
+    # channel 2j in the low nibble, 2j+1 in the high nibble: the kernels rely on it
+    assert quant.pack(torch.tensor([3, 10], dtype=torch.uint8), 4).item() == 3 | (10 << 4)
+
+
+def test_int8_pack_is_identity():
+    codes = torch.randint(0, 256, (3, 7), dtype=torch.uint8)
+    assert torch.equal(quant.unpack(quant.pack(codes, 8), 8), codes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([8, 4]), bs=st.integers(1, 8), d=st.sampled_from([2, 4, 8]), seed=st.integers(0, 2**31),
+       offset=st.floats(-50, 50), spread=st.floats(1e-3, 100))
+def test_key_block_error_bound(bits, bs, d, seed, offset, spread):
+    """float32 scales: every element is within half a step of its dequantized value."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, 3, bs, d, generator=g) * spread + offset
+    codes, scale, zero = quant.quantize_key_blocks(k, bits, torch.float32)
+    assert codes.shape == (2, 3, bs, d // quant.codes_per_byte(bits))
+    assert scale.shape == zero.shape == (2, 3, d)
+    deq = quant.dequantize_key_blocks(codes, scale, zero, bits)
+    step = scale.unsqueeze(-2)
+    slack = 1e-5 * (k.abs().amax() + 1)
+    assert ((deq - k).abs() <= step / 2 + slack).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([8, 4]), g_size=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31),
+       scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+def test_value_error_bound(bits, g_size, seed, scale_dtype):
+    """Per-token groups; rounding scale/zero to scale_dtype costs at most one ulp of the magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(2, 5, 8, generator=g) * 3
+    codes, scale, zero = quant.quantize_values(v, bits, g_size, scale_dtype)
+    assert scale.shape == (2, 5, 8 // g_size) and scale.dtype == scale_dtype
+    deq = quant.dequantize_values(codes, scale, zero, bits, g_size)
+    step = scale.float().repeat_interleave(g_size, dim=-1)
+    eps = torch.finfo(scale_dtype).eps
+    bound = step / 2 + eps * (1 + (1 << bits)) * v.abs().amax() + 1e-6
+    assert ((deq - v).abs() <= bound).all()
+
+
+def test_constant_group_is_exact():
+    v = torch.full((1, 4, 8), 0.75)
+    codes, scale, zero = quant.quantize_values(v, 4, 8, torch.float16)
+    assert (scale == 0).all() and (codes == 0).all()
+    assert torch.equal(quant.dequantize_values(codes, scale, zero, 4, 8), v)
+
+
+def test_overflowing_scale_dtype_is_refused():
+    k = torch.tensor([[-1e5], [1e5]]).expand(2, 4).unsqueeze(0)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quant.quantize_key_blocks(k, 8, torch.float16)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_per_tensor_symmetric(bits):
+    x = torch.randn(3, 64) * 2
+    codes, scale = quant.quantize_per_tensor_symmetric(x, bits)
+    qmax = (1 << (bits - 1)) - 1
+    assert codes.dtype == torch.int8 and codes.abs().max() <= qmax
+    err = (quant.dequantize_per_tensor_symmetric(codes, scale) - x).abs()
+    assert err.max() <= scale / 2 + 1e-6
+    assert torch.isclose(scale, x.abs().max() / qmax)

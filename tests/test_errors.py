@@ -117,7 +117,8 @@ def test_scale_overflow_leaves_cache_unchanged():
     (dict(rotary=Rotary.from_schedule(8)), "rotary is only used with positions='cache_index'"),
 ])
 def test_bad_construction(kwargs, msg):
-    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=8, **kwargs.pop("cfg", {}))
+    cfg = CacheConfig(**dict(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=8)
+                      | kwargs.pop("cfg", {}))
     args = dict(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=8, dtype=torch.float32) | kwargs
     with pytest.raises(ValueError, match=msg):
         SinkQuantCache(cfg, **args)
@@ -138,7 +139,7 @@ def test_bad_construction(kwargs, msg):
 ])
 def test_bad_config(field, value, msg):
     with pytest.raises(ValueError, match=msg):
-        CacheConfig(sink_tokens=2, recent_tokens=10, **{field: value})
+        CacheConfig(**dict(sink_tokens=2, recent_tokens=10) | {field: value})
 
 
 def test_config_capacity():

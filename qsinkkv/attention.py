@@ -15,7 +15,7 @@ _QUERY_CHUNK = 256  # bounds the [T, N] score matrix of long prefills
 
 
 def visible_mask(q_pos: Tensor, k_pos: Tensor, sink_tokens: int, recent_tokens: int) -> Tensor:
-    """bool ``[T, N]``: may the query at ``q_pos[t]`` see the key at ``k_pos[n]``."""
+    """bool ``[..., T, N]``: may the query at ``q_pos[..., t]`` see the key at ``k_pos[..., n]``."""
     q = q_pos.unsqueeze(-1)
     k = k_pos.unsqueeze(-2)
     return (k >= 0) & (k <= q) & ((k < sink_tokens) | (k > q - recent_tokens))
@@ -27,7 +27,8 @@ def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos:
     """Attention of queries at ``q_pos`` over keys at ``k_pos`` under the sink + window rule.
 
     q: ``[B, H, T, D]``; k, v: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA: query head h
-    reads kv head ``h // (H // Hkv)``); q_pos ``[T]``, k_pos ``[N]`` int64 (-1 = empty slot).
+    reads kv head ``h // (H // Hkv)``); q_pos ``[T]`` or ``[B, T]``, k_pos ``[N]`` or ``[B, N]``
+    int64 (-1 = empty slot; per-sequence positions let sequences hold different lengths).
     rotary: if given (``cache_index`` contract), q and k are pre-RoPE and are rotated by their
       index in the cache: sinks keep 0..S-1, the visible recent tokens follow contiguously, so
       a query at i has index min(i, S+W-1) and a recent key keeps its distance to the query.
@@ -43,28 +44,31 @@ def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos:
     kf = k.to(work)
     vf = v.to(work)
     qg = q.to(work).reshape(B, Hkv, G, T, D)
+    q_pos = q_pos.expand(B, T) if q_pos.ndim == 1 else q_pos
+    k_pos = k_pos.expand(B, k.shape[2]) if k_pos.ndim == 1 else k_pos
     if rotary is not None:
         # Relative-position form of the cache-index rotation: scores depend only on
         # (query index - key index). Recent keys keep their true distance to the query,
         # so both are rotated relative to a common base that keeps the angles small;
         # sink keys sit at index p, the query at min(i, C-1).
-        base = torch.clamp(q_pos.min() - recent_tokens + 1, min=0)
-        k_recent = rotary.rotate(kf, k_pos - base)
-        k_sink = rotary.rotate(kf, k_pos.clamp(min=0))
-        is_sink = (k_pos < sink_tokens).view(1, 1, 1, 1, -1)
+        base = torch.clamp(q_pos.amin(dim=1, keepdim=True) - recent_tokens + 1, min=0)  # [B, 1]
+        k_recent = rotary.rotate(kf, (k_pos - base).unsqueeze(1))
+        k_sink = rotary.rotate(kf, k_pos.clamp(min=0).unsqueeze(1))
+        is_sink = (k_pos < sink_tokens).view(B, 1, 1, 1, -1)
     out = torch.empty(B, Hkv, G, T, D, dtype=work, device=q.device)
     for t0 in range(0, T, _QUERY_CHUNK):
         t1 = min(t0 + _QUERY_CHUNK, T)
-        qc, pc = qg[:, :, :, t0:t1], q_pos[t0:t1]
+        qc, pc = qg[:, :, :, t0:t1], q_pos[:, t0:t1]
         if rotary is None:
             scores = torch.einsum("bhgtd,bhnd->bhgtn", qc, kf)
         else:
-            q_recent = rotary.rotate(qc, pc - base)
-            q_sink = rotary.rotate(qc, pc.clamp(max=sink_tokens + recent_tokens - 1))
+            q_recent = rotary.rotate(qc, (pc - base).view(B, 1, 1, -1))
+            q_sink = rotary.rotate(qc, pc.clamp(max=sink_tokens + recent_tokens - 1).view(B, 1, 1, -1))
             scores = torch.where(is_sink, torch.einsum("bhgtd,bhnd->bhgtn", q_sink, k_sink),
                                  torch.einsum("bhgtd,bhnd->bhgtn", q_recent, k_recent))
         scores = scores * scale
-        scores = scores.masked_fill(~visible_mask(pc, k_pos, sink_tokens, recent_tokens), float("-inf"))
+        visible = visible_mask(pc, k_pos, sink_tokens, recent_tokens).view(B, 1, 1, t1 - t0, -1)
+        scores = scores.masked_fill(~visible, float("-inf"))
         if sink_logits is None:
             probs = torch.softmax(scores, dim=-1)
         else:

@@ -17,6 +17,8 @@ seen are never quantized.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -32,8 +34,9 @@ class LayerCache:
     block it must quantize has been quantized successfully."""
 
     def __init__(self, config: CacheConfig, layout: WindowLayout, batch_size: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device):
+                 head_dim: int, device: torch.device, quantizer=quant):
         self.config, self.layout = config, layout
+        self.quantizer = quantizer  # qsinkkv.quant or qsinkkv.kernels: same functions, bit-identical codes
         self.seq_len = 0
         B, H, D, S, bs = batch_size, num_kv_heads, head_dim, config.sink_tokens, config.block_size
         zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
@@ -42,8 +45,6 @@ class LayerCache:
         self.float_k = zeros(B, H, layout.float_slots * bs, D, dtype=config.window_dtype)
         self.float_v = zeros(B, H, layout.float_slots * bs, D, dtype=config.window_dtype)
         nq, Dc = layout.quant_slots, D // quant.codes_per_byte(config.bits)
-        if config.bits == 16:
-            nq = 0
         self.key_codes = zeros(B, H, nq, bs, Dc, dtype=torch.uint8)
         self.key_scale = zeros(B, H, nq, D, dtype=config.scale_dtype)
         self.key_zero = zeros(B, H, nq, D, dtype=config.scale_dtype)
@@ -86,9 +87,10 @@ class LayerCache:
         if n_quant > 0:  # quantize first: a failure must leave the cache untouched
             B, H, _, D = seq_k.shape
             blocks = (B, H, q1 - first, bs, D)
-            key = quant.quantize_key_blocks(seq_k[:, :, :n_quant].reshape(blocks), cfg.bits, cfg.scale_dtype)
-            value = quant.quantize_values(seq_v[:, :, :n_quant].reshape(blocks), cfg.bits,
-                                          cfg.value_group_size, cfg.scale_dtype)
+            key = self.quantizer.quantize_key_blocks(seq_k[:, :, :n_quant].reshape(blocks), cfg.bits,
+                                                     cfg.scale_dtype)
+            value = self.quantizer.quantize_values(seq_v[:, :, :n_quant].reshape(blocks), cfg.bits,
+                                                   cfg.value_group_size, cfg.scale_dtype)
         # --- commit ---
         if n_sink:
             self.sink_k[:, :, n0:n0 + n_sink] = k[:, :, :n_sink].to(cfg.sink_dtype)
@@ -109,34 +111,15 @@ class LayerCache:
         return torch.arange(r0, r1, device=self.float_k.device) % self.float_k.shape[2]
 
     # --- reading ------------------------------------------------------------------------------
-    def slot_positions(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Logical positions held by each slot (-1: empty, or a block never written):
-        sinks ``[S]``, quantized ring ``[quant_slots * bs]``, float ring ``[float_slots * bs]``.
-        Stale tokens (older than the window) keep their position; the mask drops them."""
-        L, bs, n = self.layout, self.config.block_size, self.seq_len
-        dev = self.sink_k.device
-        S = self.config.sink_tokens
-        sink_pos = torch.arange(S, device=dev)
-        sink_pos = torch.where(sink_pos < n, sink_pos, -1)
-        m = L.recent_count(n)
-        q = L.quantized_blocks(m)
-        nq = self.key_codes.shape[2]
-        slot = torch.arange(nq, device=dev)
-        block = q - 1 - (q - 1 - slot) % max(nq, 1)  # newest block b < q with b % nq == slot
-        quant_pos = (S + block * bs).unsqueeze(-1) + torch.arange(bs, device=dev)
-        quant_pos = torch.where((block >= 0).unsqueeze(-1), quant_pos, -1).flatten()
-        F = self.float_k.shape[2]
-        row = torch.arange(F, device=dev)
-        r = m - 1 - (m - 1 - row) % F  # newest recent index r < m stored in this row
-        float_pos = torch.where((r >= q * bs) & (r >= 0), S + r, -1)
-        return sink_pos, quant_pos, float_pos
-
-    def gather(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """Every stored token, dequantized: k, v ``[B, Hkv, N, D]`` in ``dtype`` and positions ``[N]``."""
+    def gather(self, dtype: torch.dtype, seq_lens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Every stored token, dequantized: k, v ``[B, Hkv, N, D]`` in ``dtype`` and their positions
+        ``[B, N]`` for sequences of lengths ``seq_lens [B]`` (default: all ``seq_len``)."""
         cfg = self.config
-        sink_pos, quant_pos, float_pos = self.slot_positions()
+        if seq_lens is None:
+            seq_lens = torch.full((self.sink_k.shape[0],), self.seq_len, device=self.sink_k.device)
+        sink_pos, quant_pos, float_pos = self.layout.slot_positions(seq_lens)
         ks, vs = [self.sink_k.to(dtype)], [self.sink_v.to(dtype)]
-        if quant_pos.numel():
+        if quant_pos.shape[1]:
             B, H, nq, bs, _ = self.key_codes.shape
             ks.append(quant.dequantize_key_blocks(self.key_codes, self.key_scale, self.key_zero, cfg.bits)
                       .reshape(B, H, nq * bs, -1).to(dtype))
@@ -144,21 +127,27 @@ class LayerCache:
                                               cfg.value_group_size).reshape(B, H, nq * bs, -1).to(dtype))
         ks.append(self.float_k.to(dtype))
         vs.append(self.float_v.to(dtype))
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat((sink_pos, quant_pos, float_pos))
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat((sink_pos, quant_pos, float_pos), dim=1)
 
 
 class SinkQuantCache:
     """A multi-layer KV cache with bf16 sinks and a quantized recent window.
 
-    ``SinkQuantCache(config, num_layers, batch_size, num_kv_heads, head_dim, device, dtype, rotary=None)``
+    ``SinkQuantCache(config, num_layers, batch_size, num_kv_heads, head_dim, device, dtype,
+    rotary=None, backend="auto")``
+
     dtype is the dtype of the K/V (and queries) the model passes in. With
     ``config.positions == "cache_index"`` pass ``rotary`` (a fixed ``Rotary`` schedule) and
     give pre-RoPE queries and keys: the cache rotates them by their index in the cache.
+    backend: "torch" (the PyTorch reference), "triton" (block quantization and decode
+    attention in Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1),
+    or "auto" (Triton on CUDA when it is installed, else torch). Prefill chunks (T > 1)
+    always attend with the PyTorch path.
     """
 
     def __init__(self, config: CacheConfig, num_layers: int, batch_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 rotary: Rotary | None = None):
+                 rotary: Rotary | None = None, backend: str = "auto"):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
@@ -183,7 +172,12 @@ class SinkQuantCache:
         self.device = torch.empty(0, device=device).device
         self.dtype = dtype
         self.rotary = rotary
-        self.layers = [LayerCache(config, self.layout, batch_size, num_kv_heads, head_dim, self.device)
+        self.backend = _resolve_backend(backend, self.device, head_dim)
+        ops = quant
+        if self.backend == "triton":
+            from . import kernels as ops
+        self._kernels = ops
+        self.layers = [LayerCache(config, self.layout, batch_size, num_kv_heads, head_dim, self.device, ops)
                        for _ in range(num_layers)]
 
     # --- the small interface ----------------------------------------------------------------
@@ -221,13 +215,18 @@ class SinkQuantCache:
         self._check_q(q, k, sink_logits)
         cache, cfg = self.layers[layer], self.config
         n0, T = cache.seq_len, k.shape[2]
+        if T == 1 and self.backend == "triton":  # fused decode over the quantized storage
+            cache.append(k, v)
+            out = self._kernels.decode_attention(q[:, :, 0], cache, scale=scale, rotary=self.rotary,
+                                                 sink_logits=sink_logits)
+            return out.unsqueeze(2)
         if T == 1:  # decode: store, then attend over exactly what is stored
             cache.append(k, v)
             keys, values, k_pos = cache.gather(k.dtype)
         else:  # prefill: what was stored before + this chunk in full precision; stored after
             keys, values, k_pos = cache.gather(k.dtype)
             keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
-            k_pos = torch.cat((k_pos, torch.arange(n0, n0 + T, device=k.device)))
+            k_pos = torch.cat((k_pos, torch.arange(n0, n0 + T, device=k.device).expand(len(k_pos), T)), dim=1)
         out = sink_window_attention(q, keys, values, torch.arange(n0, n0 + T, device=q.device), k_pos,
                                     sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, scale=scale,
                                     rotary=self.rotary, sink_logits=sink_logits)
@@ -239,10 +238,9 @@ class SinkQuantCache:
         """Logical positions a query at the newest position of ``layer`` sees, read from storage."""
         self._check_layer(layer)
         cache = self.layers[layer]
-        pos = torch.cat(cache.slot_positions())
-        n = cache.seq_len
-        seen = visible_mask(torch.tensor([n - 1], device=pos.device), pos,
-                            self.config.sink_tokens, self.config.recent_tokens)[0]
+        n = torch.tensor([cache.seq_len], device=self.device)
+        pos = torch.cat(self.layout.slot_positions(n), dim=1)[0]
+        seen = visible_mask(n - 1, pos, self.config.sink_tokens, self.config.recent_tokens)[0]
         return sorted(pos[seen].tolist())
 
     # --- validation: everything is checked before any state changes ------------------------
@@ -285,3 +283,24 @@ class SinkQuantCache:
             if not isinstance(sink_logits, Tensor) or sink_logits.shape != (q.shape[1],):
                 raise ValueError(f"sink_logits must be a tensor of shape [H={q.shape[1]}], got "
                                  f"{getattr(sink_logits, 'shape', sink_logits)!r}")
+
+
+def _resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    try:
+        import triton  # noqa: F401
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and has_triton and head_dim % 4 == 0 else "torch"
+    if backend == "triton":
+        if not has_triton:
+            raise ValueError("backend='triton' needs the triton package: pip install 'qsinkkv[triton]'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' needs CUDA tensors (device={device}), or TRITON_INTERPRET=1 "
+                             "set before import to run the kernels in Triton's interpreter")
+        if head_dim % 4:
+            raise ValueError(f"backend='triton' needs head_dim % 4 == 0, got head_dim={head_dim}")
+    return backend

@@ -63,6 +63,10 @@ class CacheConfig:
             _fail("bits", "one of 16, 8, 4", self.bits)
         _check_int("block_size", self.block_size, 1)
         _check_int("value_group_size", self.value_group_size, 1)
+        if self.bits == 4 and self.value_group_size % 2:
+            # a byte holds channels 2j and 2j+1: both must share one value group
+            _fail("value_group_size", "even with bits=4 (a byte packs two channels of one group)",
+                  self.value_group_size)
         _check_int("residual_tokens", self.residual_tokens, 0)
         if self.residual_tokens > self.recent_tokens:
             _fail("residual_tokens", f"<= recent_tokens ({self.recent_tokens})", self.residual_tokens)
@@ -86,9 +90,9 @@ class CacheConfig:
             raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
         if self.bits == 16:
             return
+        if self.bits == 4 and head_dim % 2:
+            raise ValueError(f"bits=4 packs two channels per byte and needs an even head_dim, got head_dim={head_dim}")
         if head_dim % self.value_group_size:
             raise ValueError(
                 f"CacheConfig.value_group_size must divide head_dim={head_dim}, "
                 f"got value_group_size={self.value_group_size}")
-        if self.bits == 4 and head_dim % 2:
-            raise ValueError(f"bits=4 packs two channels per byte and needs an even head_dim, got head_dim={head_dim}")

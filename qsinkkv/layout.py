@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from .config import CacheConfig
 
 
@@ -69,3 +72,28 @@ class WindowLayout:
     def recent_count(self, seq_len: int) -> int:
         return max(seq_len - self.sink_tokens, 0)
 
+
+    def slot_positions(self, seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Logical position held by every storage slot, per sequence of length ``seq_lens [B]``:
+        sinks ``[B, S]``, quantized ring ``[B, quant_slots * bs]``, float ring ``[B, float_slots * bs]``.
+
+        -1 marks an empty slot or a block that was never written. Stale tokens (older than
+        the window) keep their position; the visible-set mask drops them.
+        """
+        S, bs, R = self.sink_tokens, self.block_size, self.residual_tokens
+        dev = seq_lens.device
+        n = seq_lens.long().unsqueeze(-1)                                     # [B, 1]
+        sink = torch.arange(S, device=dev)
+        sink_pos = torch.where(sink < n, sink, -1)
+        m = (n - S).clamp(min=0)                                              # recent tokens seen
+        q = (m - R).clamp(min=0) // bs                                        # quantized blocks
+        nq = self.quant_slots
+        slot = torch.arange(nq, device=dev)
+        block = q - 1 - (q - 1 - slot) % max(nq, 1)                           # newest b < q with b % nq == slot
+        quant_pos = (S + block * bs).unsqueeze(-1) + torch.arange(bs, device=dev)
+        quant_pos = torch.where((block >= 0).unsqueeze(-1), quant_pos, -1).flatten(1)
+        F = self.float_slots * bs
+        row = torch.arange(F, device=dev)
+        r = m - 1 - (m - 1 - row) % F                                         # newest r < m in this row
+        float_pos = torch.where((r >= q * bs) & (r >= 0), S + r, -1)
+        return sink_pos, quant_pos, float_pos

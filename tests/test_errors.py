@@ -108,7 +108,7 @@ def test_scale_overflow_leaves_cache_unchanged():
 
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(head_dim=12), "value_group_size must divide head_dim=12"),
-    (dict(head_dim=7, cfg=dict(value_group_size=7)), "even head_dim, got head_dim=7"),
+    (dict(head_dim=7, cfg=dict(value_group_size=2)), "even head_dim, got head_dim=7"),
     (dict(num_layers=0), "num_layers must be an int >= 1, got 0"),
     (dict(batch_size=2.0), "batch_size must be an int >= 1"),
     (dict(dtype=torch.int32), "dtype must be a float torch.dtype"),
@@ -131,6 +131,7 @@ def test_bad_construction(kwargs, msg):
     ("bits", True, r"CacheConfig.bits must be one of 16, 8, 4"),
     ("block_size", 0, r"CacheConfig.block_size must be an int >= 1, got 0"),
     ("value_group_size", 1.5, r"CacheConfig.value_group_size must be an int >= 1, got 1.5"),
+    ("value_group_size", 3, r"CacheConfig.value_group_size must be even with bits=4"),
     ("residual_tokens", 11, r"CacheConfig.residual_tokens must be <= recent_tokens \(10\), got 11"),
     ("positions", "relative", r"CacheConfig.positions must be 'absolute' or 'cache_index', got 'relative'"),
     ("sink_dtype", torch.int8, r"CacheConfig.sink_dtype must be one of"),

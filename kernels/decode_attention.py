@@ -1,0 +1,312 @@
+"""Fused two-segment decode attention over a qsinkkv layer, in Triton.
+
+One query token per sequence. Segment 1: the sinks (``sink_dtype``). Segment 2: the
+recent window, a run of logical blocks ``[first_visible // bs, ceil(m / bs))``, each
+either quantized (codes + scales in the quantized ring) or unquantized (float ring); see
+``qsinkkv/layout.py``. Codes are dequantized in registers; the window is never
+materialized. Online softmax (base 2) across both segments.
+
+Grid ``(B * Hkv, splits)``: one program serves all ``G = H / Hkv`` query heads of a KV
+head (each KV byte is read once) over one contiguous range of blocks (flash-decoding);
+split 0 also takes the sinks. A second kernel merges the partial ``(max, sum, acc)``
+states and adds the optional learned sink logits (``exp(s_h)`` in the denominator).
+
+Channels are handled as two halves ``[0, D/2)`` and ``[D/2, D)``: the half split is what
+RoPE's ``rotate_half`` pairs, so the ``cache_index`` contract rotates a dequantized key by
+its local index with no shuffles (int4 halves start on a byte boundary: D % 4 == 0).
+
+The reference is ``decode_attention_reference`` below: the cache's PyTorch gather plus
+``qsinkkv.attention.sink_window_attention`` on the same storage.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from qsinkkv.attention import sink_window_attention
+from qsinkkv.cache import LayerCache
+from qsinkkv.rope import Rotary
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Tests set this to fill the partial-state workspace and the output with NaN before each
+# launch, so that any element a kernel forgets to write fails loudly.
+POISON_WORKSPACE = False
+
+
+@triton.jit
+def _rotate(x_lo, x_hi, idx, inv_freq):
+    """RoPE (rotate_half form) of the halves ``[N, DH]`` by integer positions ``idx [N]``."""
+    ang = idx.to(tl.float32)[:, None] * inv_freq[None, :]
+    c = tl.cos(ang)
+    s = tl.sin(ang)
+    return x_lo * c - x_hi * s, x_hi * c + x_lo * s
+
+
+@triton.jit
+def _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc_lo, acc_hi, qk_scale,
+                   DOT_PRECISION: tl.constexpr):
+    """One tile of keys ``[N, DH]`` into the running (max, sum, acc) of ``[G, ...]`` queries."""
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    s += tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PRECISION)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=DOT_PRECISION)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _load_codes_half(codes_ptr, row, c, DC, CH0, DHALF, t_ok, BITS: tl.constexpr, BLOCK_DH: tl.constexpr):
+    """uint8 codes of channels ``CH0 + c`` (c < DHALF) for the token rows ``row [T]`` -> float32 ``[T, BLOCK_DH]``."""
+    if BITS == 4:
+        j = tl.arange(0, BLOCK_DH // 2)
+        byte = tl.load(codes_ptr + row[:, None] * DC + CH0 // 2 + j[None, :],
+                       mask=t_ok[:, None] & (j[None, :] < DHALF // 2), other=0)
+        return tl.interleave(byte & 0xF, byte >> 4).to(tl.float32)
+    else:
+        return tl.load(codes_ptr + row[:, None] * DC + CH0 + c[None, :],
+                       mask=t_ok[:, None] & (c[None, :] < DHALF), other=0).to(tl.float32)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, sink_k_ptr, sink_v_ptr, float_k_ptr, float_v_ptr,
+    key_codes_ptr, key_scale_ptr, key_zero_ptr, value_codes_ptr, value_scale_ptr, value_zero_ptr,
+    seq_lens_ptr, inv_freq_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, H_KV, G, D, S, W, R, NQ, F, BLOCKS_PER_SPLIT,
+    BS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // H_KV
+    bh = pid.to(tl.int64)  # (b, kv head) row of every [B, Hkv, ...] tensor
+    DH = D // 2
+    n = tl.load(seq_lens_ptr + b)
+    m = tl.maximum(n - S, 0)                  # recent tokens seen
+    qb = tl.maximum(m - R, 0) // BS           # blocks [0, qb) are quantized
+    r_lo = tl.maximum(m - W, 0)               # oldest visible recent index
+    blk_lo = r_lo // BS
+    blk_end = (m + BS - 1) // BS
+    n_sinks = tl.minimum(n, S)
+
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, BLOCK_DH)
+    g_ok = g < G
+    c_ok = c < DH
+    q_rows = (b * H_KV * G + (pid % H_KV) * G + g).to(tl.int64) * D
+    qmask = g_ok[:, None] & c_ok[None, :]
+    q_lo = tl.load(q_ptr + q_rows[:, None] + c[None, :], mask=qmask, other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + q_rows[:, None] + DH + c[None, :], mask=qmask, other=0.0).to(tl.float32)
+    if ROPE:
+        inv_freq = tl.load(inv_freq_ptr + c, mask=c_ok, other=0.0)
+        q_idx = n_sinks + (m - r_lo) - 1      # the query's index in the cache: min(i, C-1)
+        q_lo, q_hi = _rotate(q_lo, q_hi, tl.zeros([BLOCK_G], tl.int32) + q_idx, inv_freq)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_lo = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
+    acc_hi = tl.zeros([BLOCK_G, BLOCK_DH], tl.float32)
+
+    # --- segment 1: sinks (split 0) ---
+    if split == 0:
+        for s0 in range(0, n_sinks, BLOCK_S):
+            j = s0 + tl.arange(0, BLOCK_S)
+            ok = j < n_sinks
+            rows = (bh * S + j) * D
+            kv_mask = ok[:, None] & c_ok[None, :]
+            k_lo = tl.load(sink_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k_hi = tl.load(sink_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v_lo = tl.load(sink_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v_hi = tl.load(sink_v_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if ROPE:
+                k_lo, k_hi = _rotate(k_lo, k_hi, j, inv_freq)
+            m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
+                                                      acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+
+    # --- segment 2: this split's run of recent blocks ---
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < BS
+    blk0 = blk_lo + split * BLOCKS_PER_SPLIT
+    blk1 = tl.minimum(blk0 + BLOCKS_PER_SPLIT, blk_end)
+    for blk in range(blk0, blk1):
+        r = blk * BS + t
+        ok = t_ok & (r >= r_lo) & (r < m)
+        kv_mask = ok[:, None] & c_ok[None, :]
+        if BITS != 16 and blk < qb:
+            slot = (bh * NQ + blk % NQ)                      # quantized ring slot
+            rows = slot * BS + t                             # token rows of codes / value stats
+            CPB: tl.constexpr = 2 if BITS == 4 else 1
+            DC = D // CPB
+            NG = D // GROUP
+            k_lo = _load_codes_half(key_codes_ptr, rows, c, DC, 0, DH, t_ok, BITS, BLOCK_DH)
+            k_hi = _load_codes_half(key_codes_ptr, rows, c, DC, DH, DH, t_ok, BITS, BLOCK_DH)
+            ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+            ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+            kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+            kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+            k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
+            k_hi = k_hi * ks_hi[None, :] + kz_hi[None, :]
+            v_lo = _load_codes_half(value_codes_ptr, rows, c, DC, 0, DH, t_ok, BITS, BLOCK_DH)
+            v_hi = _load_codes_half(value_codes_ptr, rows, c, DC, DH, DH, t_ok, BITS, BLOCK_DH)
+            st_mask = t_ok[:, None] & c_ok[None, :]
+            grp_lo = rows[:, None] * NG + c[None, :] // GROUP
+            grp_hi = rows[:, None] * NG + (DH + c[None, :]) // GROUP
+            v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
+                    + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
+            v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
+                    + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
+            # codes of stale tokens are real data, but keep masked rows at exactly zero
+            v_lo = tl.where(kv_mask, v_lo, 0.0)
+            v_hi = tl.where(kv_mask, v_hi, 0.0)
+        else:
+            rows = (bh * F + r % F) * D                      # float ring row
+            k_lo = tl.load(float_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k_hi = tl.load(float_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v_lo = tl.load(float_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v_hi = tl.load(float_v_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if ROPE:
+            k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
+        m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
+                                                  acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+
+    # --- partial state of this split: acc [G, D], (max, sum) [G, 2] ---
+    part = (bh * SPLITS + split) * G
+    prow = (part + g).to(tl.int64)
+    tl.store(part_acc_ptr + prow[:, None] * D + c[None, :], acc_lo, mask=qmask)
+    tl.store(part_acc_ptr + prow[:, None] * D + DH + c[None, :], acc_hi, mask=qmask)
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=g_ok)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_logits_ptr, out_ptr, H_KV, G, D,
+                  SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HAS_SINK_LOGITS: tl.constexpr):
+    # one program per (b, query head): combine the splits' (max, sum, acc)
+    pid = tl.program_id(0)            # = b * H + h
+    h = pid % (H_KV * G)
+    bh = pid // (H_KV * G) * H_KV + h // G
+    sp = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    prow = ((bh * SPLITS + sp) * G + h % G).to(tl.int64)
+    sp_ok = sp < SPLITS
+    m_s = tl.load(part_ml_ptr + prow * 2, mask=sp_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=sp_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + prow[:, None] * D + d[None, :], mask=sp_ok[:, None] & (d[None, :] < D), other=0.0)
+    m = tl.max(m_s, axis=0)
+    if HAS_SINK_LOGITS:
+        sink = tl.load(sink_logits_ptr + h).to(tl.float32) * 1.4426950408889634  # log2(e)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_s - m_safe)
+    denom = tl.sum(l_s * w, axis=0)
+    if HAS_SINK_LOGITS:
+        denom += tl.exp2(sink - m_safe)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + pid.to(tl.int64) * D + d, out, mask=d < D)
+
+
+def _num_splits(batch_kv_heads: int, max_blocks: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return min(2, max(max_blocks, 1))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # enough programs to fill every SM twice, but at least 4 blocks of work each
+    return max(1, min(triton.cdiv(2 * sms, batch_kv_heads), triton.cdiv(max_blocks, 4)))
+
+
+def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = None, *, scale: float | None = None,
+                     rotary: Rotary | None = None, sink_logits: Tensor | None = None,
+                     num_splits: int | None = None) -> Tensor:
+    """Attention of one new query per sequence over a layer's stored sinks + recent window.
+
+    q:           ``[B, H, D]``, H a multiple of the layer's Hkv (query head h reads kv head h // (H/Hkv)).
+    layer:       a ``LayerCache`` (its storage tensors, contiguous, on q's device).
+    seq_lens:    ``[B]`` int, tokens stored per sequence (>= 1; default: ``layer.seq_len`` for all);
+                 the query sits at position ``seq_lens - 1``.
+    scale:       softmax scale, default ``D ** -0.5``.
+    rotary:      pass for the ``cache_index`` contract: q and the stored keys are pre-RoPE and are
+                 rotated in the kernel by their index in the cache.
+    sink_logits: ``[H]`` learned per-head logits adding ``exp(s_h)`` to the denominator.
+    num_splits:  programs per (sequence, kv head) along the window; default fills the GPU.
+    Returns ``[B, H, D]`` in q's dtype.
+    """
+    cfg, L = layer.config, layer.layout
+    B, Hkv, S, D = layer.sink_k.shape
+    if not isinstance(q, Tensor) or q.ndim != 3 or q.shape[0] != B or q.shape[2] != D or q.shape[1] % Hkv:
+        raise ValueError(f"q must be [B={B}, H, D={D}] with H a multiple of Hkv={Hkv}, "
+                         f"got {tuple(getattr(q, 'shape', ()))}")
+    if q.device != layer.sink_k.device:
+        raise ValueError(f"q.device must be the cache device {layer.sink_k.device}, got {q.device}")
+    if D % 4:
+        raise ValueError(f"the Triton decode kernel needs head_dim % 4 == 0, got head_dim={D}")
+    H = q.shape[1]
+    G = H // Hkv
+    if seq_lens is None:
+        seq_lens = torch.full((B,), layer.seq_len, dtype=torch.int32, device=q.device)
+    elif not isinstance(seq_lens, Tensor) or seq_lens.shape != (B,) or seq_lens.dtype.is_floating_point:
+        raise ValueError(f"seq_lens must be an int tensor of shape [B={B}], got {seq_lens!r}")
+    if sink_logits is not None and (not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,)):
+        raise ValueError(f"sink_logits must be a tensor of shape [H={H}], got {getattr(sink_logits, 'shape', None)}")
+    if rotary is not None and rotary.head_dim != D:
+        raise ValueError(f"rotary covers head_dim={rotary.head_dim}, the cache has head_dim={D}")
+    seq_lens = seq_lens.to(device=q.device, dtype=torch.int32)
+    max_blocks = L.quant_slots + L.float_slots + 1
+    splits = _num_splits(B * Hkv, max_blocks, q.device) if num_splits is None else num_splits
+    if not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    scale = D ** -0.5 if scale is None else scale
+    qk_scale = scale * math.log2(math.e)
+    if rotary is not None:  # HF scales cos and sin: both q and k carry the factor
+        qk_scale *= rotary.attention_scaling ** 2
+        inv_freq = rotary.inv_freq.to(device=q.device, dtype=torch.float32)
+    else:
+        inv_freq = torch.empty(1, device=q.device, dtype=torch.float32)
+    alloc = (lambda *shape: torch.full(shape, float("nan"), device=q.device)) if POISON_WORKSPACE else \
+        (lambda *shape: torch.empty(shape, device=q.device, dtype=torch.float32))
+    part_acc = alloc(B, Hkv, splits, G, D)
+    part_ml = alloc(B, Hkv, splits, G, 2)
+    _decode_kernel[(B * Hkv, splits)](
+        q.contiguous(), layer.sink_k, layer.sink_v, layer.float_k, layer.float_v,
+        layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,
+        seq_lens, inv_freq, part_acc, part_ml,
+        qk_scale, Hkv, G, D, S, cfg.recent_tokens, L.residual_tokens, max(L.quant_slots, 1),
+        layer.float_k.shape[2], triton.cdiv(max_blocks, splits),
+        BS=cfg.block_size, BITS=cfg.bits, GROUP=cfg.value_group_size if cfg.bits != 16 else 1, SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_DH=max(16, triton.next_power_of_2(D // 2)),
+        BLOCK_T=max(16, triton.next_power_of_2(cfg.block_size)), BLOCK_S=16,
+        ROPE=rotary is not None, DOT_PRECISION="ieee" if _INTERPRET else "tf32",
+    )
+    out = alloc(B, H, D)
+    _merge_kernel[(B * H,)](
+        part_acc, part_ml, sink_logits if sink_logits is not None else part_ml, out, Hkv, G, D,
+        SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(D),
+        HAS_SINK_LOGITS=sink_logits is not None,
+    )
+    return out.to(q.dtype)
+
+
+def decode_attention_reference(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = None, *,
+                               scale: float | None = None, rotary: Rotary | None = None,
+                               sink_logits: Tensor | None = None) -> Tensor:
+    """PyTorch reference of ``decode_attention`` on the same storage: dequantize everything, then
+    dense masked attention. ``q [B, H, D]`` -> ``[B, H, D]``."""
+    B = q.shape[0]
+    if seq_lens is None:
+        seq_lens = torch.full((B,), layer.seq_len, device=q.device)
+    k, v, k_pos = layer.gather(torch.float32, seq_lens)
+    q_pos = (seq_lens.long() - 1).view(B, 1)
+    cfg = layer.config
+    out = sink_window_attention(q.unsqueeze(2), k, v, q_pos, k_pos, sink_tokens=cfg.sink_tokens,
+                                recent_tokens=cfg.recent_tokens, scale=scale, rotary=rotary, sink_logits=sink_logits)
+    return out.squeeze(2)

@@ -1,0 +1,184 @@
+"""Triton kernels vs their PyTorch references, on the same storage.
+
+On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set in conftest.py);
+on a CUDA machine the same tests run natively.
+"""
+import importlib
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_TOL
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qsinkkv import CacheConfig, Rotary, SinkQuantCache, quant
+from qsinkkv.kernels import decode_attention, decode_attention_reference
+from qsinkkv.kernels import quantize as kq
+
+decode_mod = importlib.import_module("qsinkkv.kernels.decode_attention")  # the module, not the function
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(decode_mod, "POISON_WORKSPACE", True)
+
+
+# --- block quantize + pack: codes, scales and zeros bit-identical ----------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([8, 4]), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), nblk=st.integers(1, 4),
+       bs=st.sampled_from([1, 3, 4, 16]), d=st.sampled_from([4, 12, 64]), seed=st.integers(0, 2**31),
+       spread=st.sampled_from([1e-3, 1.0, 40.0]))
+def test_quantize_key_blocks_bit_identical(bits, scale_dtype, dtype, nblk, bs, d, seed, spread):
+    g = torch.Generator().manual_seed(seed)
+    k = ((torch.randn(2, nblk, bs, d, generator=g) + torch.randn(1, generator=g)) * spread).to(dtype)
+    got = kq.quantize_key_blocks(k.to(DEVICE), bits, scale_dtype)
+    ref = quant.quantize_key_blocks(k, bits, scale_dtype)
+    for name, a, b in zip(("codes", "scale", "zero"), got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.cpu(), b), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([8, 4]), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+       tokens=st.integers(1, 37), shape=st.sampled_from([(8, 2), (8, 8), (12, 6), (64, 32), (16, 16)]),
+       seed=st.integers(0, 2**31))
+def test_quantize_values_bit_identical(bits, scale_dtype, tokens, shape, seed):
+    d, group = shape
+    g = torch.Generator().manual_seed(seed)
+    v = (torch.randn(2, tokens, d, generator=g) * 3).to(torch.bfloat16)
+    got = kq.quantize_values(v.to(DEVICE), bits, group, scale_dtype)
+    ref = quant.quantize_values(v, bits, group, scale_dtype)
+    for name, a, b in zip(("codes", "scale", "zero"), got, ref):
+        assert torch.equal(a.cpu(), b), name
+
+
+def test_quantize_int8_odd_group():
+    v = torch.randn(5, 9)
+    for a, b in zip(kq.quantize_values(v.to(DEVICE), 8, 3, torch.float16), quant.quantize_values(v, 8, 3, torch.float16)):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_quantize_overflow_is_refused():
+    k = torch.tensor([-1e6, 1.0]).view(1, 2, 1).expand(1, 2, 4).contiguous().to(DEVICE)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        kq.quantize_key_blocks(k, 8, torch.float16)
+
+
+# --- decode attention ---------------------------------------------------------------------------
+
+D = 16
+ROT = Rotary.from_schedule(D, base=1000.0)
+
+
+def filled_layer(cfg, lengths, Hkv, seed=0, rotary=None):
+    """A batch whose sequences hold ``lengths`` tokens: each sequence is streamed through its own
+    single-sequence cache (prefill + decode steps), then the storages are stacked."""
+    g = torch.Generator().manual_seed(seed)
+    singles = []
+    for n in lengths:
+        c = SinkQuantCache(cfg, 1, 1, Hkv, D, dtype=torch.float32, rotary=rotary, backend="torch")
+        first = max(n - 5, 1)
+        c.append(0, torch.randn(1, Hkv, first, D, generator=g), torch.randn(1, Hkv, first, D, generator=g))
+        for _ in range(n - first):
+            c.append(0, torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g))
+        singles.append(c.layers[0])
+    batch = SinkQuantCache(cfg, 1, len(lengths), Hkv, D, dtype=torch.float32, rotary=rotary, backend="torch").layers[0]
+    for name, t in batch.tensors().items():
+        t.copy_(torch.cat([s.tensors()[name] for s in singles]))
+    if len(set(lengths)) == 1:
+        batch.seq_len = lengths[0]
+    return batch, singles
+
+
+def on_device(layer):
+    for name, t in layer.tensors().items():
+        setattr(layer, name, t.to(DEVICE))
+    return layer
+
+
+def rel_rms(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+CASES = [
+    # bits, S, W, bs, group, residual, Hkv, G, lengths
+    (4, 4, 20, 4, 8, 0, 2, 3, [57, 57]),           # ring wrapped many times
+    (8, 4, 20, 4, 8, 0, 1, 8, [1, 3, 9, 24, 25, 200]),  # per-sequence lengths: inside sinks, filling, wrapped
+    (16, 2, 13, 4, 8, 0, 2, 4, [14, 40, 7]),
+    (4, 0, 16, 8, 4, 0, 3, 1, [5, 16, 17, 99]),    # no sinks: a plain sliding window; MHA
+    (8, 3, 11, 5, 16, 4, 2, 3, [30, 12]),          # odd window and block, residual
+    (4, 1, 9, 1, 2, 0, 1, 4, [33, 4]),             # one token per block
+]
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["absolute", "cache_index"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
+def test_decode_matches_reference(case, rope):
+    bits, S, W, bs, group, R, Hkv, G, lengths = case
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
+                      residual_tokens=R, positions="cache_index" if rope else "absolute")
+    rotary = ROT if rope else None
+    layer, singles = filled_layer(cfg, lengths, Hkv, seed=len(lengths), rotary=rotary)
+    seq_lens = torch.tensor(lengths)
+    q = torch.randn(len(lengths), Hkv * G, D, generator=torch.Generator().manual_seed(9))
+    ref = decode_attention_reference(q, layer, seq_lens, rotary=rotary)
+    # the batched reference equals each sequence's own reference (per-sequence lengths are honoured)
+    for b, single in enumerate(singles):
+        own = decode_attention_reference(q[b:b + 1], single, rotary=rotary)
+        assert rel_rms(ref[b:b + 1], own) < 1e-6
+    dev_layer = on_device(layer)
+    for splits in (1, 3):
+        out = decode_attention(q.to(DEVICE), dev_layer, seq_lens.to(DEVICE), rotary=rotary, num_splits=splits).cpu()
+        assert torch.isfinite(out).all()
+        assert rel_rms(out, ref) < KERNEL_TOL, f"splits={splits}: {rel_rms(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+def test_decode_gqa_and_sink_logits(G):
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
+    layer, _ = filled_layer(cfg, [23, 11], 2, seed=G)
+    q = torch.randn(2, 2 * G, D)
+    logits = torch.randn(2 * G) * 2
+    for sink_logits in (None, logits):
+        ref = decode_attention_reference(q, layer, torch.tensor([23, 11]), sink_logits=sink_logits)
+        out = decode_attention(q.to(DEVICE), on_device(layer), torch.tensor([23, 11], device=DEVICE),
+                               sink_logits=None if sink_logits is None else sink_logits.to(DEVICE), num_splits=2)
+        assert rel_rms(out.cpu(), ref) < KERNEL_TOL
+    no_logits = decode_attention_reference(q, layer, torch.tensor([23, 11]))
+    assert rel_rms(no_logits, ref) > 1e-3  # the logits do change the output
+
+
+def test_decode_bf16_query_and_scale():
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=8, block_size=8, value_group_size=8)
+    layer, _ = filled_layer(cfg, [70], 2)
+    q = torch.randn(1, 4, D).to(torch.bfloat16)
+    out = decode_attention(q.to(DEVICE), on_device(layer), scale=0.3)
+    assert out.dtype == torch.bfloat16
+    ref = decode_attention_reference(q.float(), layer, scale=0.3)
+    assert rel_rms(out.float().cpu(), ref) < 1e-2  # bf16 output rounding
+
+
+def test_decode_bad_arguments():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=4)
+    layer, _ = filled_layer(cfg, [9], 2)
+    layer = on_device(layer)
+    with pytest.raises(ValueError, match=r"q must be \[B=1, H, D=16\] with H a multiple of Hkv=2"):
+        decode_attention(torch.randn(1, 3, D, device=DEVICE), layer)
+    with pytest.raises(ValueError, match="seq_lens must be an int tensor of shape"):
+        decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, torch.tensor([1.0, 2.0], device=DEVICE))
+    with pytest.raises(ValueError, match=r"sink_logits must be a tensor of shape \[H=2\]"):
+        decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, sink_logits=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
+        decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, num_splits=0)
+
+
+def test_backend_choice():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=2)
+    assert SinkQuantCache(cfg, 1, 1, 1, D, backend="auto").backend == ("triton" if DEVICE == "cuda" else "torch")
+    assert SinkQuantCache(cfg, 1, 1, 1, D, backend="triton", device=DEVICE).backend == "triton"
+    with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
+        SinkQuantCache(cfg, 1, 1, 1, D, backend="cuda")
+    with pytest.raises(ValueError, match="head_dim % 4 == 0"):
+        SinkQuantCache(cfg, 1, 1, 1, 6, backend="triton", device=DEVICE)

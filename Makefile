@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install test memory
+.PHONY: install test memory bench-decode
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -14,3 +14,6 @@ test: install
 
 memory: install
 	$(PYTHON) benchmarks/memory.py
+
+bench-decode: install
+	$(PYTHON) benchmarks/decode_attention.py

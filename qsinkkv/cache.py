@@ -25,6 +25,7 @@ from torch import Tensor
 from . import quant
 from .attention import sink_window_attention, visible_mask
 from .config import CacheConfig
+from .decode import decode_attention_torch
 from .layout import WindowLayout
 from .rope import Rotary
 
@@ -220,7 +221,10 @@ class SinkQuantCache:
             out = self._kernels.decode_attention(q[:, :, 0], cache, scale=scale, rotary=self.rotary,
                                                  sink_logits=sink_logits)
             return out.unsqueeze(2)
-        if T == 1:  # decode: store, then attend over exactly what is stored
+        if T == 1 and self.rotary is None:  # decode from the codes (the dequantization folds into the products)
+            cache.append(k, v)
+            return decode_attention_torch(q[:, :, 0], cache, scale=scale, sink_logits=sink_logits).unsqueeze(2)
+        if T == 1:  # decode under cache_index: dequantize, rotate by cache index, attend
             cache.append(k, v)
             keys, values, k_pos = cache.gather(k.dtype)
         else:  # prefill: what was stored before + this chunk in full precision; stored after

@@ -182,3 +182,19 @@ def test_backend_choice():
         SinkQuantCache(cfg, 1, 1, 1, D, backend="cuda")
     with pytest.raises(ValueError, match="head_dim % 4 == 0"):
         SinkQuantCache(cfg, 1, 1, 1, 6, backend="triton", device=DEVICE)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
+def test_torch_decode_from_codes_matches_reference(case):
+    """The CPU fast path (dequantization folded into the products) vs dequantize-then-attend."""
+    from qsinkkv.decode import decode_attention_torch
+    bits, S, W, bs, group, R, Hkv, G, lengths = case
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
+                      residual_tokens=R)
+    layer, _ = filled_layer(cfg, lengths, Hkv, seed=3)
+    seq_lens = torch.tensor(lengths)
+    q = torch.randn(len(lengths), Hkv * G, D)
+    for logits in (None, torch.randn(Hkv * G)):
+        ref = decode_attention_reference(q, layer, seq_lens, sink_logits=logits)
+        out = decode_attention_torch(q, layer, seq_lens, sink_logits=logits)
+        assert rel_rms(out, ref) < 1e-5

@@ -107,6 +107,26 @@ class LayerCache:
             self.float_v.index_copy_(2, idx, seq_v[:, :, n_quant:])
         self.seq_len = n0 + T
 
+    def crop(self, tokens: int) -> None:
+        """Forget the newest ``tokens`` tokens. Only possible while the shorter stream's storage is
+        intact: no block it needs was evicted, and no block it would hold unquantized was quantized."""
+        L, n = self.layout, self.seq_len
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= n:
+            raise ValueError(f"tokens to crop must be an int in [0, {n}], got {tokens!r}")
+        m, m_new = L.recent_count(n), L.recent_count(n - tokens)
+        if L.quantized_blocks(m_new) != L.quantized_blocks(m):
+            raise ValueError(f"cannot crop {tokens} tokens: a block they share with older tokens was already "
+                             f"quantized (block_size={self.config.block_size}, residual_tokens={L.residual_tokens})")
+        if m > L.recent_tokens and L.first_kept_block(m_new) != L.first_kept_block(m):
+            raise ValueError(f"cannot crop {tokens} tokens: the shorter stream would see tokens that were already "
+                             f"evicted from the window (recent_tokens={L.recent_tokens})")
+        self.seq_len = n - tokens
+
+    def map_batch(self, fn) -> None:
+        """Apply ``fn`` (e.g. an index_select along dim 0) to every storage tensor."""
+        for name, t in self.tensors().items():
+            setattr(self, name, fn(t).contiguous())
+
     def _float_index(self, r0: int, r1: int) -> Tensor:
         """Float-ring rows of recent tokens r0 .. r1-1."""
         return torch.arange(r0, r1, device=self.float_k.device) % self.float_k.shape[2]
@@ -198,6 +218,23 @@ class SinkQuantCache:
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+
+    def crop(self, tokens: int) -> None:
+        """Forget the newest ``tokens`` tokens of every layer (refused, with nothing changed, when it
+        would need tokens that were evicted or blocks that were quantized)."""
+        for layer in self.layers:  # check all before changing any
+            copy = LayerCache.__new__(LayerCache)
+            copy.layout, copy.config, copy.seq_len = layer.layout, layer.config, layer.seq_len
+            copy.crop(tokens)
+        for layer in self.layers:
+            layer.crop(tokens)
+
+    def select_batch(self, index: Tensor) -> None:
+        """Keep (or reorder, or repeat) sequences: storage ``[B, ...] -> [len(index), ...]``."""
+        index = torch.as_tensor(index, device=self.device).long()
+        for layer in self.layers:
+            layer.map_batch(lambda t: t.index_select(0, index))
+        self.batch_size = len(index)
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Store new tokens ``k, v [B, Hkv, T, D]`` of ``layer`` (any T >= 1)."""

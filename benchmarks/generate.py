@@ -1,0 +1,109 @@
+"""Time per generated token and cache bytes: QSinkKVCache (bits 16/8/4) vs DynamicCache vs
+transformers' QuantizedCache (quanto backend, when optimum-quanto is installed).
+
+    python benchmarks/generate.py [--contexts 512 2048 8192] [--new 32] [--capacity N] [--json out.json]
+
+For each context length, a prompt of that many tokens of real text (CPython's pydoc topics)
+is prefilled, then ``--new`` tokens are decoded greedily one forward at a time; the table
+gives the median time per decoded token, its ratio to DynamicCache, and the bytes each cache
+holds at the end. ``--capacity`` sets QSinkKVCache's capacity (4 sinks + the rest recent);
+by default it holds the whole stream, so every cache attends over the same tokens.
+Runs on the default model in float32 on CPU, or on CUDA with --device cuda.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import pydoc_data.topics
+import torch
+from transformers import DynamicCache
+
+from qsinkkv import CacheConfig
+from qsinkkv.hf import QSinkKVCache
+from qsinkkv.models import load_model
+
+
+def cache_bytes(cache) -> int:
+    if hasattr(cache, "nbytes") and callable(cache.nbytes):
+        return cache.nbytes()
+    seen, total = set(), 0
+    for layer in cache.layers:  # DynamicCache / QuantizedCache: every tensor the layers hold
+        for t in vars(layer).values():
+            for x in (t if isinstance(t, (list, tuple)) else [t]):
+                if isinstance(x, torch.Tensor) and x.data_ptr() not in seen:
+                    seen.add(x.data_ptr())
+                    total += x.numel() * x.element_size()
+                elif hasattr(x, "_data") and isinstance(getattr(x, "_data", None), torch.Tensor):  # quanto tensors
+                    for y in (x._data, getattr(x, "_scale", None), getattr(x, "_shift", None)):
+                        if isinstance(y, torch.Tensor):
+                            total += y.numel() * y.element_size()
+    return total
+
+
+def decode_ms(model, ids, cache, new):
+    with torch.no_grad():
+        logits = model(ids, cache=cache, use_cache=True).logits
+        nxt = logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(new):
+            t0 = time.perf_counter()
+            logits = model(nxt, cache=cache, use_cache=True).logits
+            nxt = logits[:, -1:].argmax(-1)
+            if nxt.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--capacity", type=int)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    model, tok = load_model(dtype=torch.float32, device=a.device)
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    all_ids = tok(text[: 8 * max(a.contexts)], return_tensors="pt").input_ids.to(a.device)
+    try:
+        from transformers import QuantizedCache
+        import optimum.quanto  # noqa: F401
+        has_quanto = True
+    except ImportError:
+        has_quanto = False
+    rows = []
+    print(f"# {torch.get_num_threads()} threads, device {a.device}, float32 model; ms per decoded token (median "
+          f"of {a.new}); 'x dyn' = time / DynamicCache time")
+    print("| context | cache | ms/token | x dyn | cache bytes |")
+    print("|---:|---|---:|---:|---:|")
+    for ctx in a.contexts:
+        ids = all_ids[:, :ctx]
+        cap = a.capacity or ctx + a.new + 1
+        configs = [("DynamicCache", "sdpa", lambda: DynamicCache(config=model.config))]
+        if has_quanto:
+            configs.append(("QuantizedCache quanto int4", "sdpa",
+                            lambda: QuantizedCache(backend="quanto", config=model.config, nbits=4)))
+        for bits in (16, 8, 4):
+            cfg = CacheConfig(sink_tokens=4, recent_tokens=cap - 4, bits=bits, block_size=64, value_group_size=64)
+            configs.append((f"QSinkKVCache int{bits} (C={cap})", "qsinkkv",
+                            lambda cfg=cfg: QSinkKVCache(cfg, model.config)))
+        base = None
+        for name, impl, make in configs:
+            model.set_attn_implementation(impl)
+            cache = make()
+            ms = decode_ms(model, ids, cache, a.new)
+            base = base or ms
+            row = dict(context=ctx, cache=name, ms_per_token=ms, vs_dynamic=ms / base, bytes=cache_bytes(cache))
+            rows.append(row)
+            print(f"| {ctx:,} | {name} | {ms:.1f} | {ms / base:.2f} | {row['bytes']:,} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(date=time.strftime("%Y-%m-%d"), device=a.device, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -108,8 +108,13 @@ class LayerCache:
         self.seq_len = n0 + T
 
     def crop(self, tokens: int) -> None:
-        """Forget the newest ``tokens`` tokens. Only possible while the shorter stream's storage is
-        intact: no block it needs was evicted, and no block it would hold unquantized was quantized."""
+        """Forget the newest ``tokens`` tokens (see ``check_crop``)."""
+        self.check_crop(tokens)
+        self.seq_len -= tokens
+
+    def check_crop(self, tokens: int) -> None:
+        """Raise unless the newest ``tokens`` can be forgotten: the shorter stream's storage must be
+        intact (no block it needs was evicted, none it would hold unquantized was quantized)."""
         L, n = self.layout, self.seq_len
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= n:
             raise ValueError(f"tokens to crop must be an int in [0, {n}], got {tokens!r}")
@@ -120,7 +125,6 @@ class LayerCache:
         if m > L.recent_tokens and L.first_kept_block(m_new) != L.first_kept_block(m):
             raise ValueError(f"cannot crop {tokens} tokens: the shorter stream would see tokens that were already "
                              f"evicted from the window (recent_tokens={L.recent_tokens})")
-        self.seq_len = n - tokens
 
     def map_batch(self, fn) -> None:
         """Apply ``fn`` (e.g. an index_select along dim 0) to every storage tensor."""
@@ -223,9 +227,7 @@ class SinkQuantCache:
         """Forget the newest ``tokens`` tokens of every layer (refused, with nothing changed, when it
         would need tokens that were evicted or blocks that were quantized)."""
         for layer in self.layers:  # check all before changing any
-            copy = LayerCache.__new__(LayerCache)
-            copy.layout, copy.config, copy.seq_len = layer.layout, layer.config, layer.seq_len
-            copy.crop(tokens)
+            layer.check_crop(tokens)
         for layer in self.layers:
             layer.crop(tokens)
 

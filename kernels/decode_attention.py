@@ -15,8 +15,8 @@ Channels are handled as two halves ``[0, D/2)`` and ``[D/2, D)``: the half split
 RoPE's ``rotate_half`` pairs, so the ``cache_index`` contract rotates a dequantized key by
 its local index with no shuffles (int4 halves start on a byte boundary: D % 4 == 0).
 
-The reference is ``decode_attention_reference`` below: the cache's PyTorch gather plus
-``qsinkkv.attention.sink_window_attention`` on the same storage.
+The reference is ``qsinkkv.decode.decode_attention_reference``: the cache's PyTorch gather
+plus ``qsinkkv.attention.sink_window_attention`` on the same storage.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from qsinkkv.attention import sink_window_attention
+from qsinkkv.decode import decode_attention_reference  # noqa: F401  (the kernel's reference)
 from qsinkkv.cache import LayerCache
 from qsinkkv.rope import Rotary
 
@@ -294,19 +294,3 @@ def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = Non
         HAS_SINK_LOGITS=sink_logits is not None,
     )
     return out.to(q.dtype)
-
-
-def decode_attention_reference(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = None, *,
-                               scale: float | None = None, rotary: Rotary | None = None,
-                               sink_logits: Tensor | None = None) -> Tensor:
-    """PyTorch reference of ``decode_attention`` on the same storage: dequantize everything, then
-    dense masked attention. ``q [B, H, D]`` -> ``[B, H, D]``."""
-    B = q.shape[0]
-    if seq_lens is None:
-        seq_lens = torch.full((B,), layer.seq_len, device=q.device)
-    k, v, k_pos = layer.gather(torch.float32, seq_lens)
-    q_pos = (seq_lens.long() - 1).view(B, 1)
-    cfg = layer.config
-    out = sink_window_attention(q.unsqueeze(2), k, v, q_pos, k_pos, sink_tokens=cfg.sink_tokens,
-                                recent_tokens=cfg.recent_tokens, scale=scale, rotary=rotary, sink_logits=sink_logits)
-    return out.squeeze(2)

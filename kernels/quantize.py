@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from qsinkkv.quant import codes_per_byte, max_code
+from qsinkkv.quant import check_scales_fit, codes_per_byte, max_code
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -112,13 +112,6 @@ def _check(name: str, x: Tensor, bits: int, scale_dtype: torch.dtype) -> None:
         raise ValueError(f"int4 packs channel pairs and needs an even last dimension, got {x.shape[-1]}")
 
 
-def _check_finite(scale: Tensor, zero: Tensor, x: Tensor, scale_dtype: torch.dtype) -> None:
-    if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
-        raise ValueError(
-            f"values of magnitude up to {x.float().abs().max().item():.3g} overflow scale_dtype={scale_dtype}; "
-            "use CacheConfig(scale_dtype=torch.float32)")
-
-
 def quantize_key_blocks(k: Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """k ``[..., nblk, bs, D]`` float -> packed codes ``[..., nblk, bs, D/cpb]`` uint8 and
     scale, zero ``[..., nblk, D]`` in ``scale_dtype`` (one per block and channel).
@@ -136,7 +129,7 @@ def quantize_key_blocks(k: Tensor, bits: int, scale_dtype: torch.dtype) -> tuple
         _quantize_key_blocks_kernel[(nblk,)](x, codes, scale, zero, D, BS=bs, BITS=bits,
                                              SCALE_DTYPE=_TL_DTYPE[scale_dtype],
                                              BLOCK_T=triton.next_power_of_2(bs), BLOCK_D=triton.next_power_of_2(D))
-    _check_finite(scale, zero, k, scale_dtype)
+    check_scales_fit(scale, zero, k)
     return codes, scale, zero
 
 
@@ -158,7 +151,7 @@ def quantize_values(v: Tensor, bits: int, group_size: int, scale_dtype: torch.dt
             x, codes, scale, zero, N, D, GROUP=group_size, BITS=bits, SCALE_DTYPE=_TL_DTYPE[scale_dtype],
             BLOCK_T=BLOCK_T, BLOCK_NG=triton.next_power_of_2(D // group_size),
             BLOCK_G=max(triton.next_power_of_2(group_size), 2))
-    _check_finite(scale, zero, v, scale_dtype)
+    check_scales_fit(scale, zero, v)
     return codes, scale, zero
 
 

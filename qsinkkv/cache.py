@@ -25,7 +25,7 @@ from torch import Tensor
 from . import quant
 from .attention import sink_window_attention, visible_mask
 from .config import CacheConfig
-from .decode import decode_attention_torch
+from .decode import decode_attention_reference, decode_attention_torch
 from .layout import WindowLayout
 from .rope import Rotary
 
@@ -265,16 +265,16 @@ class SinkQuantCache:
             return decode_attention_torch(q[:, :, 0], cache, scale=scale, sink_logits=sink_logits).unsqueeze(2)
         if T == 1:  # decode under cache_index: dequantize, rotate by cache index, attend
             cache.append(k, v)
-            keys, values, k_pos = cache.gather(k.dtype)
-        else:  # prefill: what was stored before + this chunk in full precision; stored after
-            keys, values, k_pos = cache.gather(k.dtype)
-            keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
-            k_pos = torch.cat((k_pos, torch.arange(n0, n0 + T, device=k.device).expand(len(k_pos), T)), dim=1)
+            return decode_attention_reference(q[:, :, 0], cache, scale=scale, rotary=self.rotary,
+                                              sink_logits=sink_logits).unsqueeze(2)
+        # prefill: what was stored before + this chunk in full precision; the chunk is stored after
+        keys, values, k_pos = cache.gather(k.dtype)
+        keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
+        k_pos = torch.cat((k_pos, torch.arange(n0, n0 + T, device=k.device).expand(len(k_pos), T)), dim=1)
         out = sink_window_attention(q, keys, values, torch.arange(n0, n0 + T, device=q.device), k_pos,
                                     sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, scale=scale,
                                     rotary=self.rotary, sink_logits=sink_logits)
-        if T > 1:
-            cache.append(k, v)
+        cache.append(k, v)
         return out
 
     def visible_positions(self, layer: int = 0) -> list[int]:

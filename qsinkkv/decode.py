@@ -1,7 +1,9 @@
-"""Decode attention in PyTorch straight from the codes: the CPU fast path.
+"""Decode attention in PyTorch: the reference, and the CPU fast path straight from the codes.
 
-The reference (``LayerCache.gather`` + ``sink_window_attention``) dequantizes the whole
-window every step. Here the affine dequantization is folded into the two products instead:
+``decode_attention_reference`` dequantizes the whole window and runs the dense
+``sink_window_attention``: the reference of both fast paths (this one and the Triton kernel).
+
+``decode_attention_torch`` folds the affine dequantization into the two products instead:
 
   scores[t] = sum_d q_d (c_td s_d + z_d)        = sum_d (q_d s_d) c_td + sum_d q_d z_d
   out_d     = sum_t p_t (c_td s_tg + z_tg)      = sum_t (p_t s_tg) c_td + sum_t p_t z_tg,  g = d // G
@@ -16,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .attention import visible_mask
+from .attention import sink_window_attention, visible_mask
+from .rope import Rotary
 
 
 def decode_attention_torch(q: Tensor, layer, seq_lens: Tensor | None = None, *, scale: float | None = None,
@@ -79,3 +82,19 @@ def _split_codes(codes: Tensor, bits: int) -> list[Tensor]:
 
 def _split_channels(x: Tensor, bits: int) -> list[Tensor]:
     return [x[..., 0::2], x[..., 1::2]] if bits == 4 else [x]
+
+
+def decode_attention_reference(q: Tensor, layer, seq_lens: Tensor | None = None, *,
+                               scale: float | None = None, rotary: Rotary | None = None,
+                               sink_logits: Tensor | None = None) -> Tensor:
+    """PyTorch reference of ``decode_attention`` on the same storage: dequantize everything, then
+    dense masked attention. ``q [B, H, D]`` -> ``[B, H, D]``."""
+    B = q.shape[0]
+    if seq_lens is None:
+        seq_lens = torch.full((B,), layer.seq_len, device=q.device)
+    k, v, k_pos = layer.gather(torch.float32, seq_lens)
+    q_pos = (seq_lens.long() - 1).view(B, 1)
+    cfg = layer.config
+    out = sink_window_attention(q.unsqueeze(2), k, v, q_pos, k_pos, sink_tokens=cfg.sink_tokens,
+                                recent_tokens=cfg.recent_tokens, scale=scale, rotary=rotary, sink_logits=sink_logits)
+    return out.squeeze(2)

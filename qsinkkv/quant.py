@@ -41,12 +41,17 @@ def quantize_asym(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype) -> t
     hi = xf.amax(dim=dim, keepdim=True)
     scale = ((hi - lo) / max_code(bits)).to(scale_dtype)
     zero = lo.to(scale_dtype)
-    if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
-        raise ValueError(
-            f"values of magnitude up to {xf.abs().max().item():.3g} overflow scale_dtype={scale_dtype}; "
-            "use CacheConfig(scale_dtype=torch.float32)")
+    check_scales_fit(scale, zero, x)
     codes = quantize_with(xf, scale, zero, bits)
     return codes, scale, zero
+
+
+def check_scales_fit(scale: Tensor, zero: Tensor, x: Tensor) -> None:
+    """Refuse a group whose scale or zero overflowed ``scale.dtype``: it would poison the group."""
+    if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        raise ValueError(
+            f"values of magnitude up to {x.float().abs().max().item():.3g} overflow scale_dtype={scale.dtype}; "
+            "use CacheConfig(scale_dtype=torch.float32)")
 
 
 def quantize_with(xf: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:

@@ -253,7 +253,7 @@ def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = Non
     H = q.shape[1]
     G = H // Hkv
     if seq_lens is None:
-        seq_lens = torch.full((B,), layer.seq_len, dtype=torch.int32, device=q.device)
+        seq_lens = layer.seq_lens()
     elif not isinstance(seq_lens, Tensor) or seq_lens.shape != (B,) or seq_lens.dtype.is_floating_point:
         raise ValueError(f"seq_lens must be an int tensor of shape [B={B}], got {seq_lens!r}")
     if sink_logits is not None and (not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,)):

@@ -131,6 +131,10 @@ class LayerCache:
         for name, t in self.tensors().items():
             setattr(self, name, fn(t).contiguous())
 
+    def seq_lens(self) -> Tensor:
+        """``[B]`` int64: every sequence of this layer holds ``seq_len`` tokens."""
+        return torch.full((self.sink_k.shape[0],), self.seq_len, device=self.sink_k.device)
+
     def _float_index(self, r0: int, r1: int) -> Tensor:
         """Float-ring rows of recent tokens r0 .. r1-1."""
         return torch.arange(r0, r1, device=self.float_k.device) % self.float_k.shape[2]
@@ -140,8 +144,7 @@ class LayerCache:
         """Every stored token, dequantized: k, v ``[B, Hkv, N, D]`` in ``dtype`` and their positions
         ``[B, N]`` for sequences of lengths ``seq_lens [B]`` (default: all ``seq_len``)."""
         cfg = self.config
-        if seq_lens is None:
-            seq_lens = torch.full((self.sink_k.shape[0],), self.seq_len, device=self.sink_k.device)
+        seq_lens = self.seq_lens() if seq_lens is None else seq_lens
         sink_pos, quant_pos, float_pos = self.layout.slot_positions(seq_lens)
         ks, vs = [self.sink_k.to(dtype)], [self.sink_v.to(dtype)]
         if quant_pos.shape[1]:
@@ -201,7 +204,7 @@ class SinkQuantCache:
         ops = quant
         if self.backend == "triton":
             from . import kernels as ops
-        self._kernels = ops
+        self._ops = ops  # qsinkkv.quant, or qsinkkv.kernels on the Triton backend
         self.layers = [LayerCache(config, self.layout, batch_size, num_kv_heads, head_dim, self.device, ops)
                        for _ in range(num_layers)]
 
@@ -255,18 +258,17 @@ class SinkQuantCache:
         self._check_q(q, k, sink_logits)
         cache, cfg = self.layers[layer], self.config
         n0, T = cache.seq_len, k.shape[2]
-        if T == 1 and self.backend == "triton":  # fused decode over the quantized storage
+        if T == 1:  # decode: store, then attend over exactly what is stored
             cache.append(k, v)
-            out = self._kernels.decode_attention(q[:, :, 0], cache, scale=scale, rotary=self.rotary,
+            if self.backend == "triton":  # fused kernel over the quantized storage
+                out = self._ops.decode_attention(q[:, :, 0], cache, scale=scale, rotary=self.rotary,
+                                                 sink_logits=sink_logits)
+            elif self.rotary is None:  # from the codes: the dequantization folds into the products
+                out = decode_attention_torch(q[:, :, 0], cache, scale=scale, sink_logits=sink_logits)
+            else:  # cache_index: dequantize, rotate by cache index, attend
+                out = decode_attention_reference(q[:, :, 0], cache, scale=scale, rotary=self.rotary,
                                                  sink_logits=sink_logits)
             return out.unsqueeze(2)
-        if T == 1 and self.rotary is None:  # decode from the codes (the dequantization folds into the products)
-            cache.append(k, v)
-            return decode_attention_torch(q[:, :, 0], cache, scale=scale, sink_logits=sink_logits).unsqueeze(2)
-        if T == 1:  # decode under cache_index: dequantize, rotate by cache index, attend
-            cache.append(k, v)
-            return decode_attention_reference(q[:, :, 0], cache, scale=scale, rotary=self.rotary,
-                                              sink_logits=sink_logits).unsqueeze(2)
         # prefill: what was stored before + this chunk in full precision; the chunk is stored after
         keys, values, k_pos = cache.gather(k.dtype)
         keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)

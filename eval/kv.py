@@ -1,0 +1,79 @@
+"""``qsinkkv-eval kv``: where each scheme's error lands, layer by layer, on the model's real
+queries, keys and values.
+
+One bf16 forward captures every layer's (q, k, v). For each scheme and layer the stored view
+(``schemes.stored_view``) replaces the K/V as at decode time, and against the bf16 cache:
+
+* ``k_err``, ``v_err``: relative error ``||stored - bf16|| / ||bf16||`` of K and V;
+  ``sink_v_err``: the same for the values of the first ``sink_tokens`` tokens.
+* ``out_err``: relative error of the attention output for the real queries.
+* ``kl``: mean KL(bf16 attention || scheme attention) over queries and heads (nats).
+* ``sink_mass``: mean attention mass on the first ``sink_tokens`` tokens (queries past them),
+  and ``sink_shift``: the scheme's minus the bf16 cache's.
+
+No error propagates between layers here: each layer sees the bf16 model's inputs (``ppl``
+measures the compounded effect).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import replay
+from .progress import bar
+from .schemes import REFERENCE, schemes_for, stored_view
+
+METRICS = ("k_err", "v_err", "sink_v_err", "out_err", "kl", "sink_mass", "sink_shift")
+
+
+def capture(model, ids, sink_tokens: int, recent_tokens: int) -> dict[int, tuple]:
+    """Every layer's (q, k, v) of one bf16-cache forward over ``ids``."""
+    with replay.replay(lambda layer, k, v: None, sink_tokens, recent_tokens, capture=True) as rp:
+        with torch.no_grad():
+            model.get_decoder()(input_ids=ids, use_cache=False)
+    return rp.captured
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only: list[str] | None = None,
+        captured: dict | None = None) -> dict:
+    S, W = sink_tokens, recent_tokens
+    captured = captured or capture(model, ids, S, W)
+    todo = [s for b in bits for s in schemes_for(b) if only is None or s.name in only]
+    todo = [s for s in todo if s.available()]
+    per_layer = {s.name: {m: [] for m in METRICS} for s in todo}
+    ref_sink_mass = []
+    for layer in bar(sorted(captured), "kv layers"):
+        q, k, v = captured[layer]
+        T = k.shape[2]
+        ref_out, ref_p = replay.attend(q, k, v, None, S, W, want_probs=True)
+        past = slice(S, T)  # queries that could look past the sinks
+        ref_mass = ref_p[:, :, past, :S].sum(-1).mean().item()
+        ref_sink_mass.append(ref_mass)
+        kf, vf = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+        for scheme in todo:
+            view = stored_view(scheme, k, v, S)
+            out, p = replay.attend(q, k, v, view, S, W, want_probs=True)
+            mass = p[:, :, past, :S].sum(-1).mean().item()
+            kl = torch.special.xlogy(ref_p, ref_p) - torch.special.xlogy(ref_p, p.clamp_min(1e-30))
+            m = per_layer[scheme.name]
+            m["k_err"].append(_rel(view.k, kf))
+            m["v_err"].append(_rel(view.v, vf))
+            m["sink_v_err"].append(_rel(view.v[:, :, :S], vf[:, :, :S]) if S else 0.0)
+            m["out_err"].append(_rel(out, ref_out))
+            m["kl"].append(kl.sum(-1).mean().item())
+            m["sink_mass"].append(mass)
+            m["sink_shift"].append(mass - ref_mass)
+    overall = []
+    for scheme in [REFERENCE] + todo:
+        if scheme is REFERENCE:
+            row = {m: 0.0 for m in METRICS} | dict(sink_mass=sum(ref_sink_mass) / len(ref_sink_mass))
+        else:
+            row = {m: sum(vals) / len(vals) for m, vals in per_layer[scheme.name].items()}
+        overall.append(dict(scheme=scheme.name, bits=scheme.bits, description=scheme.description, **row))
+    skipped = [dict(scheme=s.name, status=f"skipped: {s.requires} is not installed")
+               for b in bits for s in schemes_for(b) if (only is None or s.name in only) and not s.available()]
+    return dict(tokens=int(ids.shape[1]), sink_tokens=S, recent_tokens=W, overall=overall, skipped=skipped,
+                per_layer=per_layer, ref_sink_mass=ref_sink_mass)

@@ -1,0 +1,69 @@
+"""``qsinkkv-eval ppl``: perplexity and mean per-token KL against the bf16 cache, for every scheme.
+
+Each scheme's run is one decode-time replay (``replay.py``): every token is predicted from
+exactly the K/V that scheme's cache would serve at that decode step, errors compounding
+through the layers as in generation. ``quanto`` (whose cache re-quantizes its history)
+streams token by token through the real ``transformers.QuantizedCache`` instead.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import replay
+from .progress import bar
+from .schemes import REFERENCE, Scheme, schemes_for, stored_view
+
+
+def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only: list[str] | None = None) -> dict:
+    T = ids.shape[1]
+    W = recent_tokens
+    todo = [s for b in bits for s in schemes_for(b) if only is None or s.name in only]
+    with replay.replay(lambda layer, k, v: None, sink_tokens, W):
+        ref_logp, _, ref_rows = replay.token_logprobs(model, ids, keep_rows=True)
+    ref_nll = -ref_logp.mean().item()
+    rows = [dict(scheme=REFERENCE.name, bits=16, description=REFERENCE.description, ppl=math.exp(ref_nll),
+                 nll=ref_nll, delta_pct=0.0, kl=0.0, status="ok")]
+    for scheme in bar(todo, "ppl"):
+        row = dict(scheme=scheme.name, bits=scheme.bits, description=scheme.description)
+        if not scheme.available():
+            rows.append(dict(row, status=f"skipped: {scheme.requires} is not installed"))
+            continue
+        if scheme.family == "quanto":
+            if sink_tokens + W < T:
+                rows.append(dict(row, status="skipped: QuantizedCache keeps every token (no window)"))
+                continue
+            logp, kl = _quanto_stream(model, ids, ref_rows)
+        else:
+            with replay.replay(_store(scheme, sink_tokens), sink_tokens, W):
+                logp, kl, _ = replay.token_logprobs(model, ids, ref_rows=ref_rows)
+        nll = -logp.mean().item()
+        rows.append(dict(row, ppl=math.exp(nll), nll=nll, delta_pct=100 * math.expm1(nll - ref_nll),
+                         kl=kl.mean().item(), status="ok"))
+    return dict(tokens=T, sink_tokens=sink_tokens, recent_tokens=W, rows=rows)
+
+
+def _store(scheme: Scheme, sink_tokens: int):
+    return lambda layer, k, v: stored_view(scheme, k, v, sink_tokens)
+
+
+def _quanto_stream(model, ids, ref_rows):
+    """Token by token through transformers' own QuantizedCache (quanto int4), as generate() runs it."""
+    from transformers import QuantizedCache
+
+    from .schemes import QUANTO
+
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, **QUANTO)
+        logp, kl = [], []
+        with torch.no_grad():
+            for t in bar(range(ids.shape[1] - 1), "quanto stream", leave=False):
+                ls = torch.log_softmax(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float(), -1)
+                logp.append(ls[ids[0, t + 1]])
+                kl.append((ref_rows[t].exp() * (ref_rows[t] - ls)).sum())
+    finally:
+        model.set_attn_implementation(impl)
+    return torch.stack(logp), torch.stack(kl)

@@ -1,0 +1,144 @@
+"""Decode-time replay: one forward over the whole text in which every query attends exactly
+what a cache would serve it at its own decode step.
+
+At decode step i the cache holds tokens 0..i; the query sees the sink + window set
+``visible(i)`` (``qsinkkv.attention.visible_mask``), and token j is read in its stored form
+(``StoredKV``) once ``i >= ready[j]``, in bf16 before that (a block still filling, a residual).
+None of that depends on later tokens, so all T queries are computed in parallel from the
+layer's real K/V. ``tests/test_eval.py`` checks this against a token-by-token stream through
+the real ``QSinkKVCache``.
+
+The model runs with ``attn_implementation="qsinkkv_eval"``; ``replay(...)`` sets what the
+attention function does for the duration of one forward.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from qsinkkv.attention import visible_mask
+
+from .schemes import BF16, StoredKV
+
+ATTN_IMPLEMENTATION = "qsinkkv_eval"
+QUERY_CHUNK = 256
+
+
+@dataclass
+class Replay:
+    store: Callable[[int, Tensor, Tensor], StoredKV | None]  # (layer, k, v) -> stored view
+    sink_tokens: int
+    recent_tokens: int
+    captured: dict[int, tuple[Tensor, Tensor, Tensor]] | None = field(default=None)  # layer -> (q, k, v)
+
+
+_ACTIVE: list[Replay] = []
+
+
+@contextlib.contextmanager
+def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False):
+    """While active, the model's attention replays decode steps under ``store``; with ``capture``
+    the yielded Replay collects every layer's (q, k, v) in ``captured``."""
+    rp = Replay(store, sink_tokens, recent_tokens, {} if capture else None)
+    _ACTIVE.append(rp)
+    try:
+        yield rp
+    finally:
+        _ACTIVE.pop()
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: int, recent_tokens: int,
+           scale: float | None = None, want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Decode-time attention of queries at positions ``0..T-1``.
+
+    q ``[B, H, T, D]``; k, v ``[B, Hkv, T, D]`` (the layer's K/V); view: the stored form, or None
+    for a bf16 cache. Returns the output ``[B, H, T, D]`` float32 and, with ``want_probs``,
+    the attention probabilities ``[B, H, T, T]`` (zero where not visible).
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.float().reshape(B, Hkv, G, T, D)
+    kf, vf = k.to(BF16).float(), v.to(BF16).float()
+    if view is None and not want_probs and recent_tokens >= T:  # plain causal attention: the fused kernel
+        out = torch.nn.functional.scaled_dot_product_attention(q.float(), kf, vf, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
+        return out, None
+    pos = torch.arange(T, device=q.device)
+    out = torch.empty(B, Hkv, G, T, D, device=q.device)
+    probs = torch.zeros(B, Hkv, G, T, T, device=q.device) if want_probs else None
+    for t0 in range(0, T, QUERY_CHUNK):
+        t1 = min(t0 + QUERY_CHUNK, T)
+        lo = max(0, t0 - recent_tokens + 1)  # keys older than this are invisible to the whole chunk
+        idx = torch.cat((pos[:min(sink_tokens, lo)], pos[lo:t1]))
+        qc = qg[:, :, :, t0:t1]
+        scores = torch.einsum("bhgtd,bhnd->bhgtn", qc, kf[:, :, idx])
+        if view is not None:
+            stored = view.ready[idx].unsqueeze(0) <= pos[t0:t1].unsqueeze(1)  # [t, n]
+            scores = torch.where(stored, torch.einsum("bhgtd,bhnd->bhgtn", qc, view.k[:, :, idx]), scores)
+        seen = visible_mask(pos[t0:t1], idx, sink_tokens, recent_tokens)
+        p = torch.softmax((scores * scale).masked_fill(~seen, float("-inf")), dim=-1)
+        if view is None:
+            o = torch.einsum("bhgtn,bhnd->bhgtd", p, vf[:, :, idx])
+        else:
+            o = (torch.einsum("bhgtn,bhnd->bhgtd", p * stored, view.v[:, :, idx])
+                 + torch.einsum("bhgtn,bhnd->bhgtd", p * ~stored, vf[:, :, idx]))
+        out[:, :, :, t0:t1] = o
+        if probs is not None:
+            probs[:, :, :, t0:t1, idx] = p
+    return out.reshape(B, H, T, D), None if probs is None else probs.reshape(B, H, T, T)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: ``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]`` of
+    positions 0..T-1 (one forward from an empty cache) -> ``([B, T, H, D], None)``."""
+    if not _ACTIVE:
+        raise RuntimeError("attn_implementation='qsinkkv_eval' runs only inside qsinkkv.eval.replay.replay()")
+    rp = _ACTIVE[-1]
+    layer = module.layer_idx
+    if rp.captured is not None:
+        rp.captured[layer] = (query.detach(), key.detach(), value.detach())
+    view = rp.store(layer, key, value)
+    out, _ = attend(query, key, value, view, rp.sink_tokens, rp.recent_tokens, scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the replay applies the sink + window mask itself
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+def token_logprobs(model, ids: Tensor, ref_rows: Tensor | None = None, keep_rows: bool = False, chunk: int = 512):
+    """One forward over ``ids [1, T]`` from an empty cache.
+
+    Returns ``logp [T-1]`` (log-probability of each next token), ``kl [T-1]`` (KL from
+    ``ref_rows`` to this run's next-token distribution, if given) and, with ``keep_rows``, the
+    log-softmax rows ``[T-1, V]`` (float32). The LM head runs in chunks: long texts never hold
+    all logits at once.
+    """
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        return _score(model.get_output_embeddings(), hidden, ids[0, 1:], ref_rows, keep_rows, chunk)
+
+
+def _score(head, hidden: Tensor, target: Tensor, ref_rows, keep_rows: bool, chunk: int = 512):
+    logp, kl, rows = [], [], []
+    for t0 in range(0, hidden.shape[0], chunk):
+        ls = torch.log_softmax(head(hidden[t0:t0 + chunk]).float(), dim=-1)
+        logp.append(ls.gather(1, target[t0:t0 + chunk, None])[:, 0])
+        if ref_rows is not None:
+            ref = ref_rows[t0:t0 + chunk]
+            kl.append((ref.exp() * (ref - ls)).sum(-1))
+        if keep_rows:
+            rows.append(ls)
+    return (torch.cat(logp), torch.cat(kl) if kl else None, torch.cat(rows) if rows else None)

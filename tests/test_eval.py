@@ -1,0 +1,173 @@
+"""qsinkkv-eval on the real default model (a few hundred tokens; no network)."""
+import json
+import math
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from qsinkkv import CacheConfig, SinkQuantCache  # noqa: E402
+from qsinkkv.eval import calibrate, cli, data, replay, schemes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    return data.load(None, "cpu", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, monkeypatch_module):
+    out = tmp_path_factory.mktemp("report")
+    monkeypatch_module.setenv("QSINKKV_EVAL_QUIET", "1")
+    assert cli.main(["report", "--tokens", "160", "--out", str(out), "--quiet"]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def all_schemes():
+    return [schemes.REFERENCE.name] + [s.name for b in (8, 4) for s in schemes.schemes_for(b)]
+
+
+def finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_report_writes_every_file_and_scheme(report):
+    out, res = report
+    for f in ("results.json", "report.md", "kv.png", "ppl.png", "stream.png", "calibrate.png"):
+        assert (out / f).stat().st_size > 0, f
+    assert {"command", "date", "model", "versions", "config", "kv", "ppl", "stream", "calibrate"} <= set(res)
+    assert res["versions"]["torch"] and res["versions"]["transformers"]
+    md = (out / "report.md").read_text()
+    # every scheme is measured (bitsandbytes and quanto are test dependencies) and reported
+    assert [r["scheme"] for r in res["ppl"]["rows"]] == all_schemes()
+    assert [r["scheme"] for r in res["kv"]["overall"]] == all_schemes()
+    for name in all_schemes():
+        assert f"`{name}`" in md
+    for r in res["ppl"]["rows"]:
+        assert r["status"] == "ok", r
+        assert finite(r["ppl"]) and finite(r["kl"]) and r["kl"] >= -1e-6
+    for r in res["kv"]["overall"]:
+        assert all(finite(r[m]) for m in ("k_err", "v_err", "sink_v_err", "out_err", "kl", "sink_mass"))
+    for layer in res["kv"]["per_layer"].values():
+        assert len(layer["out_err"]) == 30
+    assert [r["config"] for r in res["stream"]["rows"]] == [c["name"] for c in
+                                                           __import__("qsinkkv.eval.stream").eval.stream.configs(4, 508)]
+    assert all(finite(r["ppl"]) for r in res["stream"]["rows"])
+    assert res["calibrate"]["recommended_sink_tokens"] >= 1
+
+
+def test_bf16_reproduces_itself_and_quantization_costs(report):
+    _, res = report
+    rows = {r["scheme"]: r for r in res["ppl"]["rows"]}
+    assert rows["bf16"]["kl"] == 0.0 and rows["bf16"]["delta_pct"] == 0.0
+    kv = {r["scheme"]: r for r in res["kv"]["overall"]}
+    assert kv["bf16"]["out_err"] == 0.0 and kv["bf16"]["kl"] == 0.0
+    for name in all_schemes()[1:]:
+        assert kv[name]["out_err"] > 0 and kv[name]["kl"] > 0, name
+        assert rows[name]["kl"] > 0, name
+    # the design's claims, as orderings a broken scheme would fail
+    assert kv["per-tensor-int4"]["out_err"] > 5 * kv["qsinkkv-int4"]["out_err"]
+    assert rows["per-tensor-int4"]["kl"] > 10 * rows["qsinkkv-int4"]["kl"]
+    assert kv["qsinkkv-int4"]["sink_v_err"] == 0.0 < kv["group-int4"]["sink_v_err"]
+
+
+def test_identity_store_is_exactly_the_reference(model_tok):
+    """A 'quantizer' that stores bf16 exercises the stored-view path and must change nothing."""
+    model, tok = model_tok
+    ids = data.encode(tok, data.default_text(), 96)
+    with replay.replay(lambda layer, k, v: None, 4, 40):
+        ref, _, _ = replay.token_logprobs(model, ids)
+
+    def identity(layer, k, v):
+        return schemes.StoredKV(k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float(),
+                                torch.zeros(k.shape[2], dtype=torch.long))
+    with replay.replay(identity, 4, 40):
+        same, _, _ = replay.token_logprobs(model, ids)
+    assert torch.allclose(same, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bits,S,W,bs,R", [(4, 4, 40, 8, 0), (8, 2, 29, 5, 7), (4, 0, 33, 4, 0), (16, 3, 20, 8, 0)])
+def test_replay_equals_the_real_cache_decode(bits, S, W, bs, R):
+    """Token by token through SinkQuantCache.attend (eviction included) == one parallel replay."""
+    g = torch.Generator().manual_seed(bits * 100 + W)
+    B, H, Hkv, T, D = 1, 6, 2, 97, 16
+    q = torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, Hkv, T, D, generator=g) * torch.linspace(0.5, 3, D)  # channel outliers
+    v = torch.randn(B, Hkv, T, D, generator=g)
+    k[:, :, 0] *= 6  # a loud first token, like a sink's key
+    kw = dict(bits=bits, block_size=bs, value_group_size=8, residual_tokens=R)
+    real = SinkQuantCache(CacheConfig(sink_tokens=S, recent_tokens=W, **kw), 1, B, Hkv, D, dtype=torch.float32,
+                          backend="torch")
+    stream = torch.cat([real.attend(0, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]) for t in range(T)], 2)
+    full = CacheConfig(sink_tokens=S, recent_tokens=T - S, **kw)
+    view = schemes._real_cache_view(k, v, full) if bits != 16 else None
+    out, _ = replay.attend(q, k, v, view, S, W)
+    assert ((out - stream).norm() / stream.norm()).item() < 1e-5
+
+
+def test_replay_tracks_a_real_token_by_token_stream():
+    """End to end on the model (float32): the replay's per-token log-probs match a stream through
+    QSinkKVCache; only float noise differs (it can flip a bf16 rounding or an int4 code)."""
+    from qsinkkv.hf import QSinkKVCache
+
+    model, tok = data.load(None, "cpu", torch.float32)
+    ids = data.encode(tok, data.default_text(), 96)
+    S, W = 4, 40
+    kw = dict(sink_tokens=S, bits=4, block_size=8, value_group_size=16)
+    with replay.replay(lambda l, k, v: schemes._real_cache_view(k, v, CacheConfig(recent_tokens=k.shape[2] - S, **kw)),
+                       S, W):
+        par, _, _ = replay.token_logprobs(model, ids)
+    model.set_attn_implementation("qsinkkv")
+    cache = QSinkKVCache(CacheConfig(recent_tokens=W, **kw), model.config, backend="torch")
+    seq = []
+    with torch.no_grad():
+        for t in range(ids.shape[1] - 1):
+            ls = model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float().log_softmax(-1)
+            seq.append(ls[ids[0, t + 1]])
+    seq = torch.stack(seq)
+    assert abs(par.mean() - seq.mean()) < 0.01 * abs(seq.mean())
+    assert torch.corrcoef(torch.stack((par, seq)))[0, 1] > 0.99
+
+
+def test_stream_detects_evicted_sinks(tmp_path, monkeypatch):
+    monkeypatch.setenv("QSINKKV_EVAL_QUIET", "1")
+    assert cli.main(["stream", "--tokens", "320", "--capacity", "64", "--window", "64", "--out", str(tmp_path)]) == 0
+    rows = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["stream"]["rows"]}
+    assert rows["window, no sinks"]["after_fill"] > 1.5 * rows["sinks + bf16 window"]["after_fill"]
+    assert rows["sinks + int4"]["after_fill"] < 1.1 * rows["sinks + bf16 window"]["after_fill"]
+    assert rows["full cache"]["after_fill"] < rows["window, no sinks"]["after_fill"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["ppl", "--text", "/no/such/file.txt"], "--text /no/such/file.txt: no such file"),
+    (["ppl", "--bits", "3"], "--bits must be 8 and/or 4, got 3"),
+    (["stream", "--capacity", "3", "--sink-tokens", "4"], "--capacity (3) must be larger than --sink-tokens (4)"),
+    (["kv", "--schemes", "int3-magic"], "--schemes: unknown scheme 'int3-magic'"),
+    (["kv", "--tokens", "100000"], "--tokens must be <= 4096"),
+    (["stream", "--tokens", "300"], "--tokens (300) must exceed the capacity (512)"),
+    (["ppl", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
+    (["calibrate", "--recent-tokens", "0"], "--recent-tokens must be >= 1"),
+])
+def test_bad_arguments_fail_cleanly(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(argv + ["--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # no partial report
+
+
+def test_calibrate_warnings():
+    cfg = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
+    cfg.get_text_config = lambda decoder=True: cfg
+    model = types.SimpleNamespace(config=cfg, named_parameters=lambda: iter([("layers.0.self_attn.sinks", None)]))
+    w = calibrate.model_warnings(model)
+    assert any("sink logits" in x for x in w) and any("sliding-window layers" in x for x in w)
+    plain = types.SimpleNamespace(layer_types=["full_attention"])
+    plain.get_text_config = lambda decoder=True: plain
+    assert calibrate.model_warnings(types.SimpleNamespace(config=plain, named_parameters=lambda: iter([]))) == []

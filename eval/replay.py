@@ -36,16 +36,19 @@ class Replay:
     sink_tokens: int
     recent_tokens: int
     captured: dict[int, tuple[Tensor, Tensor, Tensor]] | None = field(default=None)  # layer -> (q, k, v)
+    fused_causal: bool = False  # plain causal attention through SDPA (a no-limit bf16 cache only)
 
 
 _ACTIVE: list[Replay] = []
 
 
 @contextlib.contextmanager
-def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False):
+def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False, fused_causal: bool = False):
     """While active, the model's attention replays decode steps under ``store``; with ``capture``
-    the yielded Replay collects every layer's (q, k, v) in ``captured``."""
-    rp = Replay(store, sink_tokens, recent_tokens, {} if capture else None)
+    the yielded Replay collects every layer's (q, k, v) in ``captured``. ``fused_causal`` lets a
+    bf16 cache that sees everything use SDPA (fast on long texts; it sums in another order, so a
+    reference that schemes are compared against must not use it)."""
+    rp = Replay(store, sink_tokens, recent_tokens, {} if capture else None, fused_causal)
     _ACTIVE.append(rp)
     try:
         yield rp
@@ -54,7 +57,8 @@ def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False):
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: int, recent_tokens: int,
-           scale: float | None = None, want_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+           scale: float | None = None, want_probs: bool = False, fused_causal: bool = False
+           ) -> tuple[Tensor, Tensor | None]:
     """Decode-time attention of queries at positions ``0..T-1``.
 
     q ``[B, H, T, D]``; k, v ``[B, Hkv, T, D]`` (the layer's K/V); view: the stored form, or None
@@ -67,7 +71,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: 
     scale = D ** -0.5 if scale is None else scale
     qg = q.float().reshape(B, Hkv, G, T, D)
     kf, vf = k.to(BF16).float(), v.to(BF16).float()
-    if view is None and not want_probs and recent_tokens >= T:  # plain causal attention: the fused kernel
+    if fused_causal and view is None and not want_probs and recent_tokens >= T:
         out = torch.nn.functional.scaled_dot_product_attention(q.float(), kf, vf, is_causal=True, scale=scale,
                                                                enable_gqa=True)
         return out, None
@@ -106,7 +110,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if rp.captured is not None:
         rp.captured[layer] = (query.detach(), key.detach(), value.detach())
     view = rp.store(layer, key, value)
-    out, _ = attend(query, key, value, view, rp.sink_tokens, rp.recent_tokens, scaling)
+    out, _ = attend(query, key, value, view, rp.sink_tokens, rp.recent_tokens, scaling, fused_causal=rp.fused_causal)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

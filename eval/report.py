@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 
@@ -60,7 +61,7 @@ def calibrate_markdown(r: dict) -> str:
     cm = r["cumulative_mass"]
     lines.append("\n" + _table(head, [["mean attention mass"] + [f"{cm[k - 1]:.3f}" for k in (1, 2, 4, 8, 16)]]))
     vr = r["value_norm_ratio"]
-    med = sorted(x[0] for x in vr)[len(vr) // 2]
+    med = statistics.median(x[0] for x in vr)
     lines.append(f"\nValue norm of position 0 / the layer's median value norm: median over layers {med:.2f} "
                  f"(min {min(x[0] for x in vr):.2f}, max {max(x[0] for x in vr):.2f}).")
     hh = r["heavy_hitters"]

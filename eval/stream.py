@@ -2,7 +2,7 @@
 
 Configurations (capacity C = sink_tokens + recent_tokens):
 
-* ``full cache``: every token visible (the model's own attention, no cache limit);
+* ``full cache``: every token visible, bf16 (through SDPA: long texts stay fast);
 * ``window, no sinks``: a plain sliding window of the newest C tokens, bf16;
 * ``sinks + bf16 window``: StreamingLLM, S sinks + W recent, bf16;
 * ``sinks + int8`` / ``sinks + int4``: qsinkkv, bf16 sinks + an int8 / int4 window.
@@ -44,7 +44,7 @@ def run(model, ids, sink_tokens: int, recent_tokens: int, window: int = 256) -> 
         W = T if W is None else W
         store = (lambda layer, k, v: None) if scheme is None else \
             (lambda layer, k, v, s=scheme, n=S: stored_view(s, k, v, n))
-        with replay.replay(store, S, W):
+        with replay.replay(store, S, W, fused_causal=cfg["recent_tokens"] is None):
             logp, _, _ = replay.token_logprobs(model, ids)
         nll = -logp  # nll[t]: predicting token t + 1 from tokens 0..t
         starts = list(range(0, T - 1, window))

@@ -77,6 +77,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["report"] + list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)
     check(args)
     return args
 
@@ -155,11 +156,11 @@ def run(args) -> dict:
     t0 = time.time()
     model, tok = load(args.model, args.device, dtype)
     cmd, S = args.command, args.sink_tokens
-    results = dict(command=" ".join(["qsinkkv-eval"] + sys.argv[1:]) if sys.argv else "qsinkkv-eval",
+    results = dict(command=" ".join(["qsinkkv-eval"] + args.argv),
                    date=time.strftime("%Y-%m-%d"), model=model_name(args.model),
                    text=args.text or "pydoc_data.topics (CPython)", device=args.device, dtype=args.dtype,
                    seed=args.seed, versions=_versions(),
-                   config={k: v for k, v in vars(args).items() if k != "text_content"})
+                   config={k: v for k, v in vars(args).items() if k not in ("text_content", "argv")})
     need_short = cmd in ("kv", "ppl", "calibrate", "report")
     ids = encode(tok, args.text_content, args.tokens).to(args.device) if need_short else None
     W = args.recent_tokens if args.recent_tokens is not None else args.tokens  # kv / ppl: everything visible

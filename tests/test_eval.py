@@ -45,6 +45,7 @@ def test_report_writes_every_file_and_scheme(report):
         assert (out / f).stat().st_size > 0, f
     assert {"command", "date", "model", "versions", "config", "kv", "ppl", "stream", "calibrate"} <= set(res)
     assert res["versions"]["torch"] and res["versions"]["transformers"]
+    assert res["command"].startswith("qsinkkv-eval report --tokens 224")
     md = (out / "report.md").read_text()
     # every scheme is measured (bitsandbytes and quanto are test dependencies) and reported
     assert [r["scheme"] for r in res["ppl"]["rows"]] == all_schemes()

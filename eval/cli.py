@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
@@ -92,8 +92,8 @@ def check(args) -> None:
     for b in getattr(args, "bits", [8, 4]):
         if b not in (8, 4):
             raise UsageError(f"--bits must be 8 and/or 4, got {b}")
-    if args.sink_tokens < 0:
-        raise UsageError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
+    if not 0 <= args.sink_tokens < args.tokens:
+        raise UsageError(f"--sink-tokens must be >= 0 and < --tokens ({args.tokens}), got {args.sink_tokens}")
     if args.capacity is not None:
         if args.capacity <= args.sink_tokens:
             raise UsageError(f"--capacity ({args.capacity}) must be larger than --sink-tokens ({args.sink_tokens})")
@@ -102,10 +102,12 @@ def check(args) -> None:
         raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
     if args.command in ("stream", "report") and args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
-    if args.command == "stream":
+    if args.command in ("stream", "report"):
         C = args.sink_tokens + (args.recent_tokens or STREAM_RECENT)
-        if args.tokens <= C:
-            raise UsageError(f"--tokens ({args.tokens}) must exceed the capacity ({C}) for the window to fill")
+        n = args.tokens if args.command == "stream" else 4 * args.tokens
+        if n <= C:
+            what = "--tokens" if args.command == "stream" else "4 x --tokens (the stream part)"
+            raise UsageError(f"{what} ({n}) must exceed the capacity ({C}) for the window to fill")
     if args.command in ("kv", "calibrate", "report") and args.tokens > MAX_PROBS_TOKENS:
         raise UsageError(f"--tokens must be <= {MAX_PROBS_TOKENS} for {args.command} (it holds full attention "
                          f"matrices), got {args.tokens}")
@@ -113,9 +115,12 @@ def check(args) -> None:
         raise UsageError(f"--tokens must be >= 81 for {args.command}, got {args.tokens}")
     for name in getattr(args, "schemes", None) or []:
         try:
-            find_scheme(name)
+            scheme = find_scheme(name)
         except ValueError as e:
             raise UsageError(f"--schemes: {e}") from None
+        if scheme.bits not in args.bits:  # bf16 (16) too: the reference is always included
+            raise UsageError(f"--schemes {name} is not measured at --bits {' '.join(map(str, args.bits))}"
+                             + (" (bf16 is the reference and always included)" if scheme.bits == 16 else ""))
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.device.startswith("cuda"):
@@ -132,6 +137,11 @@ def check(args) -> None:
     args.out = args.out or f"out/eval-{args.command}"
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
+    base = Path(args.out).absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir() or not os.access(base, os.W_OK):
+        raise UsageError(f"--out {args.out}: {base} is not a writable directory")
 
 
 def _versions() -> dict:
@@ -173,12 +183,11 @@ def run(args) -> dict:
     if cmd in ("stream", "report"):
         n = args.tokens if cmd == "stream" else 4 * args.tokens
         recent = args.recent_tokens if args.recent_tokens is not None else STREAM_RECENT
-        if n <= S + recent:
-            raise UsageError(f"the stream needs more tokens ({n}) than the capacity ({S + recent})")
         long_ids = encode(tok, args.text_content, n, "stream tokens").to(args.device)
         results["stream"] = stream.run(model, long_ids, S, recent, args.window)
-    if cmd in ("calibrate", "report"):
-        results["calibrate"] = calibrate.run(model, ids, tok, captured=captured if cmd == "report" else None)
+    if cmd in ("calibrate", "report"):  # full attention: reuse the kv capture only if it saw everything
+        reuse = captured if cmd == "report" and S + W >= args.tokens else None
+        results["calibrate"] = calibrate.run(model, ids, tok, captured=reuse)
     results["seconds"] = round(time.time() - t0, 1)
     return results
 
@@ -188,7 +197,9 @@ def write(results: dict, out: str) -> list[Path]:
     from . import report
 
     sections = [s for s in ("calibrate", "kv", "ppl", "stream") if s in results]
-    with tempfile.TemporaryDirectory() as tmp:
+    dest = Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest, prefix=".qsinkkv-eval-") as tmp:  # same filesystem: moves are renames
         tmp = Path(tmp)
         md = [f"# qsinkkv-eval report\n",
               f"- command: `{results['command']}`",
@@ -201,11 +212,9 @@ def write(results: dict, out: str) -> list[Path]:
             md += [f"## {report.TITLES[s]}\n", report.MARKDOWN[s](results[s]), "", f"![{s}]({s}.png)", ""]
         (tmp / "report.md").write_text("\n".join(md))
         (tmp / "results.json").write_text(json.dumps(results, indent=1, default=str))
-        dest = Path(out)
-        dest.mkdir(parents=True, exist_ok=True)
         written = []
         for f in sorted(tmp.iterdir()):
-            shutil.move(str(f), dest / f.name)
+            os.replace(f, dest / f.name)
             written.append(dest / f.name)
     return written
 
@@ -218,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             import os
             os.environ["QSINKKV_EVAL_QUIET"] = "1"
         results = run(args)
+        written = write(results, args.out)
     except (UsageError, FileNotFoundError, ValueError, OSError) as e:
         print(f"qsinkkv-eval: error: {e}", file=sys.stderr)
         return 2
-    written = write(results, args.out)
+    except RuntimeError as e:  # torch: out of memory, a device error, ...
+        print(f"qsinkkv-eval: failed: {e}", file=sys.stderr)
+        return 1
     print(f"qsinkkv-eval {args.command}: wrote {', '.join(str(p) for p in written)}")
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0

@@ -42,7 +42,11 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
     S, W = sink_tokens, recent_tokens
     captured = captured or capture(model, ids, S, W)
     todo = [s for b in bits for s in schemes_for(b) if only is None or s.name in only]
-    todo = [s for s in todo if s.available()]
+    windowed = S + W < int(ids.shape[1])
+    skipped = [dict(scheme=s.name, status=f"skipped: {s.requires} is not installed") for s in todo if not s.available()]
+    skipped += [dict(scheme=s.name, status="skipped: QuantizedCache keeps every token (no window)")
+                for s in todo if s.available() and s.family == "quanto" and windowed]
+    todo = [s for s in todo if s.available() and not (s.family == "quanto" and windowed)]
     per_layer = {s.name: {m: [] for m in METRICS} for s in todo}
     ref_sink_mass = []
     for layer in bar(sorted(captured), "kv layers"):
@@ -73,7 +77,5 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
         else:
             row = {m: sum(vals) / len(vals) for m, vals in per_layer[scheme.name].items()}
         overall.append(dict(scheme=scheme.name, bits=scheme.bits, description=scheme.description, **row))
-    skipped = [dict(scheme=s.name, status=f"skipped: {s.requires} is not installed")
-               for b in bits for s in schemes_for(b) if (only is None or s.name in only) and not s.available()]
     return dict(tokens=int(ids.shape[1]), sink_tokens=S, recent_tokens=W, overall=overall, skipped=skipped,
                 per_layer=per_layer, ref_sink_mass=ref_sink_mass)

@@ -27,7 +27,8 @@ How each family stores (B: blocks of ``block_size`` tokens, G: ``group_size`` ch
   token: one head's channels when head_dim=64) NF4, FP4 and 8-bit dynamic. Quantized on write.
 * ``quanto``: transformers' ``QuantizedCache(backend="quanto")`` (int4, group 64, residual
   128; it re-quantizes the whole history at every flush). ``ppl`` streams it token by token
-  through the real cache; ``kv`` reads its storage after the last flush.
+  through the real cache (its residual holds the model's dtype, not bf16); ``kv`` reads its
+  storage after the last flush. It has no window: both skip it when one is set.
 
 A ``+sinks`` variant keeps the first ``sink_tokens`` tokens in bf16 (for qsinkkv this is the
 design itself, so it is named ``qsinkkv-int*``; its sinks-quantized twin is ``group-int*``).
@@ -143,7 +144,8 @@ def stored_view(scheme: Scheme, k: Tensor, v: Tensor, sink_tokens: int) -> Store
     if fam == "bf16":
         return None
     if fam in ("group", "qsinkkv", "kivi"):
-        extra = KIVI if fam == "kivi" else dict(block_size=BLOCK_SIZE, value_group_size=GROUP_SIZE)
+        extra = dict(KIVI, residual_tokens=min(KIVI["residual_tokens"], max(T - S, 1))) if fam == "kivi" else \
+            dict(block_size=BLOCK_SIZE, value_group_size=GROUP_SIZE)  # a text shorter than the residual: all bf16
         return _real_cache_view(k, v, CacheConfig(sink_tokens=S, recent_tokens=max(T - S, 1), bits=scheme.bits,
                                                   **extra))
     if fam == "quanto":

@@ -49,7 +49,7 @@ def run(model, ids, sink_tokens: int, recent_tokens: int, window: int = 256) -> 
         nll = -logp  # nll[t]: predicting token t + 1 from tokens 0..t
         starts = list(range(0, T - 1, window))
         curve = [math.exp(nll[a:a + window].mean().item()) for a in starts]
-        after = nll[C - 1:] if T - 1 > C - 1 else nll[:0]
+        after = nll[C:]  # queries at C and later: the first ones that cannot see every token
         rows.append(dict(config=cfg["name"], sink_tokens=S, recent_tokens=W if cfg["recent_tokens"] else None,
                          bits=scheme.bits if scheme else 16, ppl=math.exp(nll.mean().item()),
                          after_fill=math.exp(after.mean().item()) if len(after) else None))

@@ -156,6 +156,9 @@ def test_stream_detects_evicted_sinks(tmp_path, monkeypatch):
     (["stream", "--tokens", "300"], "--tokens (300) must exceed the capacity (512)"),
     (["ppl", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
     (["calibrate", "--recent-tokens", "0"], "--recent-tokens must be >= 1"),
+    (["kv", "--tokens", "200", "--sink-tokens", "300"], "--sink-tokens must be >= 0 and < --tokens (200), got 300"),
+    (["kv", "--bits", "8", "--schemes", "qsinkkv-int4"], "--schemes qsinkkv-int4 is not measured at --bits 8"),
+    (["report", "--tokens", "100"], "4 x --tokens (the stream part) (400) must exceed the capacity (512)"),
 ])
 def test_bad_arguments_fail_cleanly(argv, message, tmp_path, capsys):
     out = tmp_path / "out"
@@ -173,3 +176,20 @@ def test_calibrate_warnings():
     plain = types.SimpleNamespace(layer_types=["full_attention"])
     plain.get_text_config = lambda decoder=True: plain
     assert calibrate.model_warnings(types.SimpleNamespace(config=plain, named_parameters=lambda: iter([]))) == []
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert cli.main(["ppl", "--out", str(blocker / "sub")]) == 2
+    assert "is not a writable directory" in capsys.readouterr().err
+
+
+def test_short_text_keeps_kivi_unquantized(model_tok):
+    """A text shorter than KIVI's 128-token residual is all bf16 for KIVI (not an error)."""
+    model, tok = model_tok
+    ids = data.encode(tok, data.default_text(), 100)
+    from qsinkkv.eval import kv
+    res = kv.run(model, ids, [4], 4, 100, only=["kivi-int4", "qsinkkv-int4"])
+    rows = {r["scheme"]: r for r in res["overall"]}
+    assert rows["kivi-int4"]["out_err"] == 0.0 < rows["qsinkkv-int4"]["out_err"]

@@ -102,9 +102,10 @@ def check(args) -> None:
         raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
     if args.command in ("stream", "report") and args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
-    if args.command in ("stream", "report"):
-        C = args.sink_tokens + (args.recent_tokens or STREAM_RECENT)
-        n = args.tokens if args.command == "stream" else 4 * args.tokens
+    if args.command in ("stream", "report"):  # the stream part's length and window, fixed here for run()
+        args.stream_recent = args.recent_tokens if args.recent_tokens is not None else STREAM_RECENT
+        args.stream_tokens = args.tokens if args.command == "stream" else 4 * args.tokens
+        C, n = args.sink_tokens + args.stream_recent, args.stream_tokens
         if n <= C:
             what = "--tokens" if args.command == "stream" else "4 x --tokens (the stream part)"
             raise UsageError(f"{what} ({n}) must exceed the capacity ({C}) for the window to fill")
@@ -181,10 +182,8 @@ def run(args) -> dict:
     if cmd in ("ppl", "report"):
         results["ppl"] = ppl.run(model, ids, args.bits, S, W, only)
     if cmd in ("stream", "report"):
-        n = args.tokens if cmd == "stream" else 4 * args.tokens
-        recent = args.recent_tokens if args.recent_tokens is not None else STREAM_RECENT
-        long_ids = encode(tok, args.text_content, n, "stream tokens").to(args.device)
-        results["stream"] = stream.run(model, long_ids, S, recent, args.window)
+        long_ids = encode(tok, args.text_content, args.stream_tokens, "stream tokens").to(args.device)
+        results["stream"] = stream.run(model, long_ids, S, args.stream_recent, args.window)
     if cmd in ("calibrate", "report"):  # full attention: reuse the kv capture only if it saw everything
         reuse = captured if cmd == "report" and S + W >= args.tokens else None
         results["calibrate"] = calibrate.run(model, ids, tok, captured=reuse)

@@ -20,14 +20,14 @@ import torch
 
 from . import replay
 from .progress import bar
-from .schemes import REFERENCE, schemes_for, stored_view
+from .schemes import REFERENCE, schemes_for, store_of, stored_view
 
 METRICS = ("k_err", "v_err", "sink_v_err", "out_err", "kl", "sink_mass", "sink_shift")
 
 
 def capture(model, ids, sink_tokens: int, recent_tokens: int) -> dict[int, tuple]:
     """Every layer's (q, k, v) of one bf16-cache forward over ``ids``."""
-    with replay.replay(lambda layer, k, v: None, sink_tokens, recent_tokens, capture=True) as rp:
+    with replay.replay(store_of(REFERENCE, sink_tokens), sink_tokens, recent_tokens, capture=True) as rp:
         with torch.no_grad():
             model.get_decoder()(input_ids=ids, use_cache=False)
     return rp.captured

@@ -13,14 +13,14 @@ import torch
 
 from . import replay
 from .progress import bar
-from .schemes import REFERENCE, Scheme, schemes_for, stored_view
+from .schemes import REFERENCE, schemes_for, store_of
 
 
 def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only: list[str] | None = None) -> dict:
     T = ids.shape[1]
     W = recent_tokens
     todo = [s for b in bits for s in schemes_for(b) if only is None or s.name in only]
-    with replay.replay(lambda layer, k, v: None, sink_tokens, W):
+    with replay.replay(store_of(REFERENCE, sink_tokens), sink_tokens, W):
         ref_logp, _, ref_rows = replay.token_logprobs(model, ids, keep_rows=True)
     ref_nll = -ref_logp.mean().item()
     rows = [dict(scheme=REFERENCE.name, bits=16, description=REFERENCE.description, ppl=math.exp(ref_nll),
@@ -36,16 +36,12 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
                 continue
             logp, kl = _quanto_stream(model, ids, ref_rows)
         else:
-            with replay.replay(_store(scheme, sink_tokens), sink_tokens, W):
+            with replay.replay(store_of(scheme, sink_tokens), sink_tokens, W):
                 logp, kl, _ = replay.token_logprobs(model, ids, ref_rows=ref_rows)
         nll = -logp.mean().item()
         rows.append(dict(row, ppl=math.exp(nll), nll=nll, delta_pct=100 * math.expm1(nll - ref_nll),
                          kl=kl.mean().item(), status="ok"))
     return dict(tokens=T, sink_tokens=sink_tokens, recent_tokens=W, rows=rows)
-
-
-def _store(scheme: Scheme, sink_tokens: int):
-    return lambda layer, k, v: stored_view(scheme, k, v, sink_tokens)
 
 
 def _quanto_stream(model, ids, ref_rows):

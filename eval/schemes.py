@@ -162,6 +162,11 @@ def stored_view(scheme: Scheme, k: Tensor, v: Tensor, sink_tokens: int) -> Store
     return StoredKV(kq, vq, ready)
 
 
+def store_of(scheme: Scheme, sink_tokens: int):
+    """The replay's per-layer store for ``scheme``: ``(layer, k, v) -> StoredKV | None``."""
+    return lambda layer, k, v: stored_view(scheme, k, v, sink_tokens)
+
+
 def _per_tensor(x: Tensor, skip: int, bits: int) -> Tensor:
     """Symmetric per-tensor round trip of tokens ``skip:``, scale from their absmax."""
     out = x.to(BF16).float()
@@ -201,12 +206,10 @@ def _real_cache_view(k: Tensor, v: Tensor, config: CacheConfig) -> StoredKV:
     p = pos[0]
     kq[:, :, p[p >= 0]] = keys[:, :, p >= 0]
     vq[:, :, p[p >= 0]] = values[:, :, p >= 0]
-    ready = torch.full((T,), T, dtype=torch.long, device=k.device)
-    if config.bits != 16:
-        S, bs, R = config.sink_tokens, config.block_size, config.residual_tokens
-        r = torch.arange(T - S, device=k.device)
-        # block r // bs is quantized once the recent count reaches its end + R (layout.quantized_blocks)
-        ready[S:] = S + (r // bs + 1) * bs + R - 1
+    S = config.sink_tokens
+    ready = torch.full((T,), T, dtype=torch.long, device=k.device)  # sinks: never read in another form
+    # the query at position i has stored m = i + 1 - S recent tokens
+    ready[S:] = S + cache.layout.quantized_from(torch.arange(T - S, device=k.device)) - 1
     return StoredKV(kq, vq, ready.clamp_(max=T))
 
 

@@ -19,15 +19,15 @@ import torch
 
 from . import replay
 from .progress import bar
-from .schemes import Scheme, stored_view
+from .schemes import REFERENCE, Scheme, store_of
 
 
 def configs(sink_tokens: int, recent_tokens: int) -> list[dict]:
     C = sink_tokens + recent_tokens
     return [
-        dict(name="full cache", sink_tokens=0, recent_tokens=None, scheme=None),
-        dict(name="window, no sinks", sink_tokens=0, recent_tokens=C, scheme=None),
-        dict(name="sinks + bf16 window", sink_tokens=sink_tokens, recent_tokens=recent_tokens, scheme=None),
+        dict(name="full cache", sink_tokens=0, recent_tokens=None, scheme=REFERENCE),
+        dict(name="window, no sinks", sink_tokens=0, recent_tokens=C, scheme=REFERENCE),
+        dict(name="sinks + bf16 window", sink_tokens=sink_tokens, recent_tokens=recent_tokens, scheme=REFERENCE),
         dict(name="sinks + int8", sink_tokens=sink_tokens, recent_tokens=recent_tokens,
              scheme=Scheme("qsinkkv", 8, True)),
         dict(name="sinks + int4", sink_tokens=sink_tokens, recent_tokens=recent_tokens,
@@ -42,16 +42,14 @@ def run(model, ids, sink_tokens: int, recent_tokens: int, window: int = 256) -> 
     for cfg in bar(configs(sink_tokens, recent_tokens), "stream"):
         S, W, scheme = cfg["sink_tokens"], cfg["recent_tokens"], cfg["scheme"]
         W = T if W is None else W
-        store = (lambda layer, k, v: None) if scheme is None else \
-            (lambda layer, k, v, s=scheme, n=S: stored_view(s, k, v, n))
-        with replay.replay(store, S, W, fused_causal=cfg["recent_tokens"] is None):
+        with replay.replay(store_of(scheme, S), S, W, fused_causal=cfg["recent_tokens"] is None):
             logp, _, _ = replay.token_logprobs(model, ids)
         nll = -logp  # nll[t]: predicting token t + 1 from tokens 0..t
         starts = list(range(0, T - 1, window))
         curve = [math.exp(nll[a:a + window].mean().item()) for a in starts]
         after = nll[C:]  # queries at C and later: the first ones that cannot see every token
         rows.append(dict(config=cfg["name"], sink_tokens=S, recent_tokens=W if cfg["recent_tokens"] else None,
-                         bits=scheme.bits if scheme else 16, ppl=math.exp(nll.mean().item()),
+                         bits=scheme.bits, ppl=math.exp(nll.mean().item()),
                          after_fill=math.exp(after.mean().item()) if len(after) else None))
         curves[cfg["name"]] = dict(position=[a + window // 2 for a in starts], ppl=curve)
     return dict(tokens=T, sink_tokens=sink_tokens, recent_tokens=recent_tokens, capacity=C, window=window,

@@ -55,6 +55,11 @@ class WindowLayout:
         """Blocks [0, q) are quantized (some may already be evicted)."""
         return max(m - self.residual_tokens, 0) // self.block_size
 
+    def quantized_from(self, r):
+        """The recent count m from which recent token ``r`` (int or tensor) is held quantized:
+        the least m with ``quantized_blocks(m) > r // block_size`` (never reached with bits=16)."""
+        return (r // self.block_size + 1) * self.block_size + self.residual_tokens
+
     def first_visible(self, m: int) -> int:
         """Oldest recent index a query at the newest position sees."""
         return max(m - self.recent_tokens, 0)

@@ -10,11 +10,15 @@ run leaves no partial report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -200,7 +204,7 @@ def write(results: dict, out: str) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".qsinkkv-eval-") as tmp:  # same filesystem: moves are renames
         tmp = Path(tmp)
-        md = [f"# qsinkkv-eval report\n",
+        md = ["# qsinkkv-eval report\n",
               f"- command: `{results['command']}`",
               f"- date: {results['date']}, {results['seconds']} s on {results['device']} ({results['dtype']} model)",
               f"- model: {results['model']}",
@@ -218,15 +222,57 @@ def write(results: dict, out: str) -> list[Path]:
     return written
 
 
+@contextlib.contextmanager
+def output_dir(out: str):
+    """Creates ``out`` and proves it writable before any work (os.access passes for root even where
+    nothing can be written, e.g. /proc); if the block then fails or is interrupted, the folders this
+    created are removed again. A folder that already existed is never removed."""
+    dest = Path(out).absolute()
+    missing = [p for p in (dest, *dest.parents) if not p.exists()]
+    try:
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=dest, prefix=".qsinkkv-eval-"):  # what write() will need
+                pass
+        except OSError as e:
+            raise UsageError(f"--out {out} is not writable: {e.strerror or e}") from None
+        yield dest
+    except BaseException:
+        if missing:  # it did not exist, so nothing in it predates this run
+            shutil.rmtree(missing[-1], ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM as SystemExit(143): by default it kills the process before any ``finally`` or
+    ``with`` cleanup runs, which left the hidden temp folder (and a created --out) behind."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works only there
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse(argv)
         if args.quiet:
-            import os
             os.environ["QSINKKV_EVAL_QUIET"] = "1"
-        results = run(args)
-        written = write(results, args.out)
+        with sigterm_raises(), output_dir(args.out):
+            results = run(args)
+            written = write(results, args.out)
+    except KeyboardInterrupt:
+        print("qsinkkv-eval: interrupted", file=sys.stderr)
+        return 130
     except (UsageError, FileNotFoundError, ValueError, OSError) as e:
         print(f"qsinkkv-eval: error: {e}", file=sys.stderr)
         return 2

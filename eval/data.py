@@ -24,7 +24,15 @@ def read_text(path: str | None) -> str:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--text {path}: no such file")
-    text = p.read_text(encoding="utf-8", errors="replace")
+    try:
+        text = p.read_text(encoding="utf-8-sig")  # -sig: a BOM is not part of the text
+    except UnicodeDecodeError as e:  # errors="replace" would measure the model on noise
+        bad = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise ValueError(f"--text {path}: not UTF-8 text ({bad})") from None
+    except OSError as e:
+        raise ValueError(f"--text {path}: {e.strerror or e}") from None
+    if "\x00" in text:
+        raise ValueError(f"--text {path}: contains NUL bytes (a binary file?)")
     if not text.strip():
         raise ValueError(f"--text {path}: the file is empty")
     return text

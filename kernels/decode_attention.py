@@ -139,7 +139,8 @@ def _decode_kernel(
     t_ok = t < BS
     blk0 = blk_lo + split * BLOCKS_PER_SPLIT
     blk1 = tl.minimum(blk0 + BLOCKS_PER_SPLIT, blk_end)
-    for blk in range(blk0, blk1):
+    for i in range(0, blk1 - blk0):
+        blk = blk0 + i  # int64 like seq_lens (a loop over [blk0, blk1) would count in int32 in the interpreter)
         r = blk * BS + t
         ok = t_ok & (r >= r_lo) & (r < m)
         kv_mask = ok[:, None] & c_ok[None, :]
@@ -256,11 +257,16 @@ def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = Non
         seq_lens = layer.seq_lens()
     elif not isinstance(seq_lens, Tensor) or seq_lens.shape != (B,) or seq_lens.dtype.is_floating_point:
         raise ValueError(f"seq_lens must be an int tensor of shape [B={B}], got {seq_lens!r}")
-    if sink_logits is not None and (not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,)):
-        raise ValueError(f"sink_logits must be a tensor of shape [H={H}], got {getattr(sink_logits, 'shape', None)}")
+    if sink_logits is not None:
+        if not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,):
+            raise ValueError(f"sink_logits must be a tensor of shape [H={H}], got {getattr(sink_logits, 'shape', None)}")
+        if sink_logits.device != q.device:
+            raise ValueError(f"sink_logits.device must be q's device {q.device}, got {sink_logits.device}")
+        sink_logits = sink_logits.float().contiguous()  # the kernel indexes it densely: no strides
     if rotary is not None and rotary.head_dim != D:
         raise ValueError(f"rotary covers head_dim={rotary.head_dim}, the cache has head_dim={D}")
-    seq_lens = seq_lens.to(device=q.device, dtype=torch.int32)
+    # int64: a stream's length is unbounded (int32 positions wrap at 2^31)
+    seq_lens = seq_lens.to(device=q.device, dtype=torch.int64).contiguous()
     max_blocks = L.quant_slots + L.float_slots + 1
     splits = _num_splits(B * Hkv, max_blocks, q.device) if num_splits is None else num_splits
     if not isinstance(splits, int) or splits < 1:

@@ -17,6 +17,8 @@ seen are never quantized.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import torch
@@ -30,6 +32,11 @@ from .layout import WindowLayout
 from .rope import Rotary
 
 
+# float8 model dtypes have no isfinite (and no way to refuse a NaN): not accepted
+_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_QUANT_TENSORS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
+
+
 class LayerCache:
     """One layer's storage. Callers validate inputs; ``append`` commits nothing until every
     block it must quantize has been quantized successfully."""
@@ -39,6 +46,7 @@ class LayerCache:
         self.config, self.layout = config, layout
         self.quantizer = quantizer  # qsinkkv.quant or qsinkkv.kernels: same functions, bit-identical codes
         self.seq_len = 0
+        self._undo: tuple[int, list] | None = None  # (length before the last append, what it overwrote)
         B, H, D, S, bs = batch_size, num_kv_heads, head_dim, config.sink_tokens, config.block_size
         zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         self.sink_k = zeros(B, H, S, D, dtype=config.sink_dtype)
@@ -61,13 +69,18 @@ class LayerCache:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def reset(self) -> None:
-        self.seq_len = 0
+        self.seq_len, self._undo = 0, None
         for t in self.tensors().values():
             t.zero_()
 
     # --- writing ------------------------------------------------------------------------------
     def append(self, k: Tensor, v: Tensor) -> None:
-        """Store ``k, v [B, Hkv, T, D]`` at positions seq_len .. seq_len + T - 1."""
+        """Store ``k, v [B, Hkv, T, D]`` at positions seq_len .. seq_len + T - 1.
+
+        Keeps an undo record (``undo()``) that restores the state before this call: the storage it
+        overwrote that the shorter stream still reads (a quantized ring slot when a block is completed,
+        float-ring rows when a long chunk wraps the ring) is copied aside first; the common decode
+        step overwrites nothing live and copies nothing."""
         L, cfg, bs = self.layout, self.config, self.config.block_size
         n0, T = self.seq_len, k.shape[2]
         n_sink = min(max(cfg.sink_tokens - n0, 0), T)
@@ -92,25 +105,50 @@ class LayerCache:
                                                      cfg.scale_dtype)
             value = self.quantizer.quantize_values(seq_v[:, :, :n_quant].reshape(blocks), cfg.bits,
                                                    cfg.value_group_size, cfg.scale_dtype)
+        # --- what the shorter stream still reads and this call overwrites: saved for undo() ---
+        saved = []
+        if n_quant > 0 and q0 > L.first_kept_block(m0):  # live quantized blocks may share the slots
+            slots = torch.arange(first, q1, device=k.device) % L.quant_slots
+            saved += [(name, slots, getattr(self, name).index_select(2, slots)) for name in _QUANT_TENSORS]
+        F = self.float_k.shape[2]
+        if m1 > m0 and m1 - F > q0 * bs:  # new float rows land on rows holding live float tokens
+            idx = self._float_index(max(q1 * bs, m0), m1)
+            saved += [(name, idx, getattr(self, name).index_select(2, idx)) for name in ("float_k", "float_v")]
+        self._undo = (n0, saved)
         # --- commit ---
         if n_sink:
             self.sink_k[:, :, n0:n0 + n_sink] = k[:, :, :n_sink].to(cfg.sink_dtype)
             self.sink_v[:, :, n0:n0 + n_sink] = v[:, :, :n_sink].to(cfg.sink_dtype)
         if n_quant > 0:
             slots = torch.arange(first, q1, device=k.device) % L.quant_slots
-            for dst, src in zip((self.key_codes, self.key_scale, self.key_zero,
-                                 self.value_codes, self.value_scale, self.value_zero), key + value):
-                dst.index_copy_(2, slots, src)
+            for name, src in zip(_QUANT_TENSORS, key + value):
+                getattr(self, name).index_copy_(2, slots, src)
         if m1 > m0 and m1 > q1 * bs:
             idx = self._float_index(q1 * bs, m1)
             self.float_k.index_copy_(2, idx, seq_k[:, :, n_quant:])
             self.float_v.index_copy_(2, idx, seq_v[:, :, n_quant:])
         self.seq_len = n0 + T
 
+    def undo(self) -> None:
+        """Return to the state before the last ``append`` (tokens past the old length are masked by
+        their positions; what the old stream reads and the append overwrote is restored)."""
+        if self._undo is None:
+            raise RuntimeError("nothing to undo")
+        n0, saved = self._undo
+        for name, idx, old in saved:
+            getattr(self, name).index_copy_(2, idx, old)
+        self.seq_len, self._undo = n0, None
+
+    @property
+    def undo_length(self) -> int | None:
+        """The length ``undo()`` returns to, or None."""
+        return None if self._undo is None else self._undo[0]
+
     def crop(self, tokens: int) -> None:
         """Forget the newest ``tokens`` tokens (see ``check_crop``)."""
         self.check_crop(tokens)
         self.seq_len -= tokens
+        self._undo = None
 
     def check_crop(self, tokens: int) -> None:
         """Raise unless the newest ``tokens`` can be forgotten: the shorter stream's storage must be
@@ -130,6 +168,7 @@ class LayerCache:
         """Apply ``fn`` (e.g. an index_select along dim 0) to every storage tensor."""
         for name, t in self.tensors().items():
             setattr(self, name, fn(t).contiguous())
+        self._undo = None
 
     def seq_lens(self) -> Tensor:
         """``[B]`` int64: every sequence of this layer holds ``seq_len`` tokens."""
@@ -182,8 +221,8 @@ class SinkQuantCache:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         config.check_head_dim(head_dim)
-        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a float torch.dtype, got {dtype!r}")
+        if dtype not in _MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(str, _MODEL_DTYPES))} (the K/V dtype), got {dtype!r}")
         if config.positions == "cache_index":
             if not isinstance(rotary, Rotary):
                 raise ValueError("positions='cache_index' needs rotary=Rotary(...) (the model's fixed RoPE schedule) "
@@ -226,6 +265,21 @@ class SinkQuantCache:
         for layer in self.layers:
             layer.reset()
 
+    def undo(self) -> None:
+        """Return to the state before the last ``append`` (tokens past the old length are masked by
+        their positions; what the old stream reads and the append overwrote is restored)."""
+        if self._undo is None:
+            raise RuntimeError("nothing to undo")
+        n0, saved = self._undo
+        for name, idx, old in saved:
+            getattr(self, name).index_copy_(2, idx, old)
+        self.seq_len, self._undo = n0, None
+
+    @property
+    def undo_length(self) -> int | None:
+        """The length ``undo()`` returns to, or None."""
+        return None if self._undo is None else self._undo[0]
+
     def crop(self, tokens: int) -> None:
         """Forget the newest ``tokens`` tokens of every layer (refused, with nothing changed, when it
         would need tokens that were evicted or blocks that were quantized)."""
@@ -234,17 +288,36 @@ class SinkQuantCache:
         for layer in self.layers:
             layer.crop(tokens)
 
-    def select_batch(self, index: Tensor) -> None:
-        """Keep (or reorder, or repeat) sequences: storage ``[B, ...] -> [len(index), ...]``."""
-        index = torch.as_tensor(index, device=self.device).long()
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens of every layer (layers holding fewer are left as they are):
+        transformers' ``crop(max_length)``. Refused, with nothing changed, under the same rule as crop."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"length must be an int >= 0, got {length!r}")
+        cut = [max(layer.seq_len - length, 0) for layer in self.layers]
+        for layer, tokens in zip(self.layers, cut):  # check all before changing any
+            layer.check_crop(tokens)
+        for layer, tokens in zip(self.layers, cut):
+            layer.crop(tokens)
+
+    def select_batch(self, index) -> None:
+        """Keep (or reorder, or repeat) sequences: storage ``[B, ...] -> [len(index), ...]``.
+
+        index: a non-empty 1-D int tensor (or list) of rows in ``[0, B)``, or a bool mask of length B."""
+        index = self._batch_index(index)
         for layer in self.layers:
             layer.map_batch(lambda t: t.index_select(0, index))
         self.batch_size = len(index)
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Store new tokens ``k, v [B, Hkv, T, D]`` of ``layer`` (any T >= 1)."""
-        self._check_kv(layer, k, v)
-        self.layers[layer].append(k, v)
+        self._check_layer(layer)
+        n0 = self.layers[layer].seq_len
+        try:
+            self._check_kv(layer, k, v)
+            self.layers[layer].append(k, v)
+        except BaseException as e:
+            self._roll_back_step(layer, n0, e)
+            raise
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                sink_logits: Tensor | None = None) -> Tensor:
@@ -254,10 +327,17 @@ class SinkQuantCache:
         scale defaults to ``D ** -0.5``; sink_logits ``[H]`` are optional learned per-head sink
         logits (gpt-oss) adding ``exp(s_h)`` to the softmax denominator.
         """
-        self._check_kv(layer, k, v)
-        self._check_q(q, k, sink_logits)
-        cache, cfg = self.layers[layer], self.config
-        n0, T = cache.seq_len, k.shape[2]
+        self._check_layer(layer)
+        n0 = self.layers[layer].seq_len
+        try:
+            self._check_kv(layer, k, v, q=q, scale=scale, sink_logits=sink_logits)
+            return self._attend(self.layers[layer], q, k, v, scale, sink_logits)
+        except BaseException as e:
+            self._roll_back_step(layer, n0, e)
+            raise
+
+    def _attend(self, cache: LayerCache, q: Tensor, k: Tensor, v: Tensor, scale, sink_logits) -> Tensor:
+        cfg, n0, T = self.config, cache.seq_len, k.shape[2]
         if T == 1:  # decode: store, then attend over exactly what is stored
             cache.append(k, v)
             if self.backend == "triton":  # fused kernel over the quantized storage
@@ -278,6 +358,27 @@ class SinkQuantCache:
                                     rotary=self.rotary, sink_logits=sink_logits)
         cache.append(k, v)
         return out
+
+    def _roll_back_step(self, layer: int, n0: int, error: BaseException) -> None:
+        """A call on ``layer`` (which held ``n0`` tokens) failed: undo that layer's own store, if it
+        happened, and the same step on every layer that already took it (a model's forward runs the
+        layers in order, so a refusal in layer 5 finds layers 0-4 one step ahead). Layers that are
+        ahead by anything but their last append cannot be restored; the error then says so."""
+        stuck = []
+        for i, other in enumerate(self.layers):
+            if other.seq_len == n0:
+                continue
+            if other.undo_length == n0:
+                other.undo()
+            elif other.seq_len > n0 or i == layer:
+                stuck.append(i)
+        if stuck:
+            error.add_note(f"qsinkkv: layers {stuck} could not be rolled back to {n0} tokens; the cache's layers "
+                           f"hold {self.layer_lengths()} tokens: crop or reset() it before the next step")
+
+    def layer_lengths(self) -> list[int]:
+        """Tokens held by every layer (all equal between model steps)."""
+        return [layer.seq_len for layer in self.layers]
 
     def visible_positions(self, layer: int = 0) -> list[int]:
         """Logical positions a query at the newest position of ``layer`` sees, read from storage."""
@@ -303,8 +404,9 @@ class SinkQuantCache:
         if x.device != self.device:
             raise ValueError(f"{name}.device must be the cache device {self.device}, got {x.device}")
 
-    def _check_kv(self, layer, k, v) -> None:
-        self._check_layer(layer)
+    def _check_kv(self, layer, k, v, *, q=None, scale=None, sink_logits=None) -> None:
+        """Shapes, dtypes, devices, then one device sync for every value check: K/V finite in the dtype
+        they will be stored in, and for ``attend`` q finite and sink_logits free of NaN and +inf."""
         B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
         shape = f"[B={B}, Hkv={H}, T, D={D}]"
         for name, x in (("k", k), ("v", v)):
@@ -313,21 +415,78 @@ class SinkQuantCache:
                 raise ValueError(f"{name} must have shape {shape} with T >= 1, got {tuple(x.shape)}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        for name, x in (("k", k), ("v", v)):
-            if not torch.isfinite(x).all():
-                raise ValueError(f"{name} contains NaN or Inf; refusing to store it (it would poison a "
-                                 "whole block's scales)")
+        checks = {"k": self._storable(layer, k), "v": self._storable(layer, v)}
+        if q is not None:
+            self._check_q(q, k, scale, sink_logits)
+            checks["q"] = torch.isfinite(q).all()
+            if sink_logits is not None:
+                checks["sink_logits"] = ~(torch.isnan(sink_logits) | (sink_logits == float("inf"))).any()
+        if not bool(torch.stack(list(checks.values())).all()):
+            name = next(n for n, ok in checks.items() if not bool(ok))
+            if name in ("k", "v"):
+                raise ValueError(f"{name} contains NaN or Inf, or values that overflow the storage dtype "
+                                 f"(sink_dtype={self.config.sink_dtype}, window_dtype={self.config.window_dtype}); "
+                                 "refusing to store it (it would poison a whole block's scales)")
+            if name == "q":
+                raise ValueError("q contains NaN or Inf")
+            raise ValueError("sink_logits must be free of NaN and +inf (-inf means no sink for that head)")
 
-    def _check_q(self, q, k: Tensor, sink_logits) -> None:
+    def _storable(self, layer: int, x: Tensor) -> Tensor:
+        """0-dim bool: ``x`` stays finite once cast to the dtypes it is stored in (the first tokens
+        go to the sinks in ``sink_dtype``, the rest to the window in ``window_dtype``)."""
+        n_sink = min(max(self.config.sink_tokens - self.layers[layer].seq_len, 0), x.shape[2])
+        parts = ((x[:, :, :n_sink], self.config.sink_dtype), (x[:, :, n_sink:], self.config.window_dtype))
+        ok = [torch.isfinite(part.to(dtype) if _narrower(dtype, x.dtype) else part).all()
+              for part, dtype in parts if part.shape[2]]
+        return ok[0] if len(ok) == 1 else ok[0] & ok[1]
+
+    def _check_q(self, q, k: Tensor, scale, sink_logits) -> None:
         B, T, D = self.batch_size, k.shape[2], self.head_dim
-        shape = f"[B={B}, H, T={T}, D={D}] with H a multiple of Hkv={self.num_kv_heads}"
+        shape = f"[B={B}, H, T={T}, D={D}] with H a positive multiple of Hkv={self.num_kv_heads}"
         self._check_tensor("q", q, shape)
-        if q.shape[0] != B or q.shape[2] != T or q.shape[3] != D or q.shape[1] % self.num_kv_heads:
+        if (q.shape[0] != B or q.shape[2] != T or q.shape[3] != D or q.shape[1] % self.num_kv_heads
+                or q.shape[1] == 0):
             raise ValueError(f"q must have shape {shape}, got {tuple(q.shape)}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                                  or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"scale must be a finite float > 0 (or None for D ** -0.5), got {scale!r}")
         if sink_logits is not None:
-            if not isinstance(sink_logits, Tensor) or sink_logits.shape != (q.shape[1],):
-                raise ValueError(f"sink_logits must be a tensor of shape [H={q.shape[1]}], got "
-                                 f"{getattr(sink_logits, 'shape', sink_logits)!r}")
+            H = q.shape[1]
+            if not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,) \
+                    or not sink_logits.is_floating_point():
+                raise ValueError(f"sink_logits must be a float tensor of shape [H={H}], got "
+                                 f"{getattr(sink_logits, 'dtype', type(sink_logits).__name__)} "
+                                 f"{tuple(getattr(sink_logits, 'shape', ()))}")
+            if sink_logits.device != self.device:
+                raise ValueError(f"sink_logits.device must be the cache device {self.device}, got "
+                                 f"{sink_logits.device}")
+
+    def _batch_index(self, index) -> Tensor:
+        B = self.batch_size
+        expected = f"a non-empty 1-D int tensor of rows in [0, {B}) or a bool mask of length {B}"
+        try:
+            index = torch.as_tensor(index, device=self.device)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"index must be {expected}, got {index!r}") from None
+        if index.numel() == 0:  # (an empty list is read as float32)
+            raise ValueError(f"index selects no sequence; it must be {expected}")
+        if index.dtype == torch.bool:
+            if index.shape != (B,):
+                raise ValueError(f"a bool index must be a mask of length {B}, got shape {tuple(index.shape)}")
+            index = index.nonzero().flatten()
+        elif index.is_floating_point() or index.is_complex() or index.ndim != 1:
+            raise ValueError(f"index must be {expected}, got {index.dtype} of shape {tuple(index.shape)}")
+        if index.numel() == 0:
+            raise ValueError(f"the mask selects no sequence; index must be {expected}")
+        index = index.long()
+        if bool(((index < 0) | (index >= B)).any()):
+            raise ValueError(f"index must be {expected}, got rows {index.tolist()}")
+        return index
+
+
+def _narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Can a finite ``than`` value overflow to inf in ``dtype``?"""
+    return torch.finfo(dtype).max < torch.finfo(than).max
 
 
 def _resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:

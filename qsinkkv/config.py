@@ -59,8 +59,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _check_int("sink_tokens", self.sink_tokens, 0)
         _check_int("recent_tokens", self.recent_tokens, 1)
-        if self.bits not in (16, 8, 4) or isinstance(self.bits, bool):
-            _fail("bits", "one of 16, 8, 4", self.bits)
+        if type(self.bits) is not int or self.bits not in (16, 8, 4):  # 8.0 would pass `in`, then break `<<`
+            _fail("bits", "one of the ints 16, 8, 4", self.bits)
         _check_int("block_size", self.block_size, 1)
         _check_int("value_group_size", self.value_group_size, 1)
         if self.bits == 4 and self.value_group_size % 2:

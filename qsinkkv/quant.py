@@ -49,9 +49,10 @@ def quantize_asym(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype) -> t
 def check_scales_fit(scale: Tensor, zero: Tensor, x: Tensor) -> None:
     """Refuse a group whose scale or zero overflowed ``scale.dtype``: it would poison the group."""
     if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        hint = ("use CacheConfig(scale_dtype=torch.float32)" if scale.dtype != torch.float32 else
+                "float32 is the widest scale_dtype: the range of such values does not fit any scale")
         raise ValueError(
-            f"values of magnitude up to {x.float().abs().max().item():.3g} overflow scale_dtype={scale.dtype}; "
-            "use CacheConfig(scale_dtype=torch.float32)")
+            f"values of magnitude up to {x.float().abs().max().item():.3g} overflow scale_dtype={scale.dtype}; {hint}")
 
 
 def quantize_with(xf: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:

@@ -67,7 +67,8 @@ def test_bad_kv_leaves_cache_unchanged(cache, make_args, exc, msg, method):
         if method == "append":
             cache.append(layer, k, v)
         else:
-            cache.attend(layer, torch.randn(B, 2 * HKV, 1, D), k, v)
+            T = k.shape[2] if isinstance(k, torch.Tensor) and k.ndim == 4 else 1
+            cache.attend(layer, torch.randn(B, 2 * HKV, T, D), k, v)
     assert_unchanged(cache, snap)
 
 
@@ -89,7 +90,7 @@ def test_bad_query_leaves_cache_unchanged(cache, q, msg):
 
 def test_bad_sink_logits(cache):
     snap = snapshot(cache)
-    with pytest.raises(ValueError, match=r"sink_logits must be a tensor of shape \[H=4\]"):
+    with pytest.raises(ValueError, match=r"sink_logits must be a float tensor of shape \[H=4\]"):
         cache.attend(0, kv(shape=(B, 4, 1, D)), kv(), kv(), sink_logits=torch.zeros(3))
     assert_unchanged(cache, snap)
 
@@ -111,7 +112,9 @@ def test_scale_overflow_leaves_cache_unchanged():
     (dict(head_dim=7, cfg=dict(value_group_size=2)), "even head_dim, got head_dim=7"),
     (dict(num_layers=0), "num_layers must be an int >= 1, got 0"),
     (dict(batch_size=2.0), "batch_size must be an int >= 1"),
-    (dict(dtype=torch.int32), "dtype must be a float torch.dtype"),
+    (dict(dtype=torch.int32), "dtype must be one of torch.bfloat16, torch.float16, torch.float32, torch.float64"),
+    (dict(dtype=torch.float8_e4m3fn), "dtype must be one of"),
+    (dict(dtype=torch.float8_e5m2), "dtype must be one of"),
     (dict(cfg=dict(positions="cache_index")), "positions='cache_index' needs rotary"),
     (dict(cfg=dict(positions="cache_index"), rotary=Rotary.from_schedule(16)), "rotary covers head_dim=16"),
     (dict(rotary=Rotary.from_schedule(8)), "rotary is only used with positions='cache_index'"),
@@ -127,8 +130,8 @@ def test_bad_construction(kwargs, msg):
 @pytest.mark.parametrize("field,value,msg", [
     ("sink_tokens", -1, r"CacheConfig.sink_tokens must be an int >= 0, got -1"),
     ("recent_tokens", 0, r"CacheConfig.recent_tokens must be an int >= 1, got 0"),
-    ("bits", 3, r"CacheConfig.bits must be one of 16, 8, 4, got 3"),
-    ("bits", True, r"CacheConfig.bits must be one of 16, 8, 4"),
+    ("bits", 3, r"CacheConfig.bits must be one of the ints 16, 8, 4, got 3"),
+    ("bits", True, r"CacheConfig.bits must be one of the ints 16, 8, 4"),
     ("block_size", 0, r"CacheConfig.block_size must be an int >= 1, got 0"),
     ("value_group_size", 1.5, r"CacheConfig.value_group_size must be an int >= 1, got 1.5"),
     ("value_group_size", 3, r"CacheConfig.value_group_size must be even with bits=4"),

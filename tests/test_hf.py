@@ -214,3 +214,114 @@ def test_bad_model_config(lm):
     sliding.layer_types = ["sliding_attention"] * sliding.num_hidden_layers
     with pytest.raises(ValueError, match="sliding-window or linear attention layers are not supported"):
         QSinkKVCache(CacheConfig(), sliding)
+
+
+# --- issue 9: refusals that leave the layers in step; crop and reset as transformers does -------------
+
+def test_portable_mode_refuses_a_left_padded_prompt(lm):
+    """Pads would become sinks once the stream passes the capacity (a silent wrong answer before)."""
+    model, tok, _ = lm
+    use(model, "sdpa")
+    ids = tok("Hi there, my name is", return_tensors="pt").input_ids
+    prompt = torch.cat((torch.full((1, 3), tok.eos_token_id), ids), dim=1)
+    mask = torch.cat((torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)), dim=1)
+    cache = QSinkKVCache(CacheConfig(sink_tokens=4, recent_tokens=8, bits=16), model.config)
+    with pytest.raises(ValueError, match="left-padded prompt"):
+        model.generate(prompt, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False)
+    assert cache.get_seq_length() == 0
+
+
+def _blow_up_keys(factor):
+    def hook(module, args, out):
+        return out * factor
+    return hook
+
+
+@pytest.mark.parametrize("impl", ["qsinkkv", "sdpa"])
+@pytest.mark.parametrize("factor", [1e5, float("nan")], ids=["scale-overflow", "nan"])
+def test_refusal_in_layer_5_rolls_back_the_step(lm, impl, factor):
+    """Layer 5's keys overflow the fp16 scale (or are NaN) for one decode step: layers 0-4 had already
+    stored the token. After the refusal every layer holds the same stream, and the cache goes on exactly
+    as one that never saw the step."""
+    model, _, ids = lm
+    use(model, impl)
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=1, value_group_size=32)
+    cache, twin = QSinkKVCache(cfg, model.config), QSinkKVCache(cfg, model.config)
+    with torch.no_grad():
+        for c in (cache, twin):
+            model(ids[:, :8], cache=c, use_cache=True)
+        handle = model.model.layers[5].self_attn.k_proj.register_forward_hook(_blow_up_keys(factor))
+        try:
+            with pytest.raises(ValueError, match="scale_dtype|NaN"):
+                model(ids[:, 8:9], cache=cache, use_cache=True)
+        finally:
+            handle.remove()
+        assert cache.inner.layer_lengths() == [8] * model.config.num_hidden_layers
+        for i in range(8, 12):
+            a = model(ids[:, i:i + 1], cache=cache, use_cache=True).logits
+            b = model(ids[:, i:i + 1], cache=twin, use_cache=True).logits
+            assert torch.equal(a, b)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_forward_interrupted_between_layers_is_refused_until_crop(lm):
+    """An error outside the cache (here in layer 5's MLP) stops a forward after layers 0-5 stored the
+    token: the next forward must not run on layers out of step."""
+    model, _, ids = lm
+    use(model, "qsinkkv")
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=8, value_group_size=32)
+    cache, twin = QSinkKVCache(cfg, model.config), QSinkKVCache(cfg, model.config)
+
+    def interrupt(module, args):
+        raise _Interrupt()
+
+    with torch.no_grad():
+        for c in (cache, twin):
+            model(ids[:, :10], cache=c, use_cache=True)
+        handle = model.model.layers[5].mlp.register_forward_pre_hook(interrupt)
+        try:
+            with pytest.raises(_Interrupt):
+                model(ids[:, 10:11], cache=cache, use_cache=True)
+        finally:
+            handle.remove()
+        with pytest.raises(RuntimeError, match=r"out of step .*cache.crop\(10\) or cache.reset\(\)"):
+            model(ids[:, 10:11], cache=cache, use_cache=True)
+        cache.crop(10)
+        a = model(ids[:, 10:11], cache=cache, use_cache=True).logits
+        b = model(ids[:, 10:11], cache=twin, use_cache=True).logits
+        assert torch.equal(a, b)
+
+
+def test_crop_follows_transformers(lm):
+    model, _, ids = lm
+    use(model, "qsinkkv")
+    cache = QSinkKVCache(CacheConfig(sink_tokens=S, recent_tokens=W, bits=4, block_size=8, value_group_size=32),
+                         model.config)
+    with torch.no_grad():
+        model(ids[:, :13], cache=cache, use_cache=True)
+    for bad in (True, 2.5, "3", None):
+        with pytest.raises(ValueError, match="max_length must be an int"):
+            cache.crop(bad)
+    with pytest.raises(ValueError, match="cannot remove 14 tokens from a cache of 13 tokens"):
+        cache.crop(-14)
+    cache.crop(13 + 5)  # longer than the cache: nothing to do, as DynamicCache
+    assert cache.get_seq_length() == 13
+    cache.crop(12)
+    assert cache.get_seq_length() == 12
+
+
+def test_reset_takes_a_new_batch_size(lm):
+    model, _, ids = lm
+    use(model, "qsinkkv")
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=12, bits=8, block_size=4, value_group_size=32)
+    cache = QSinkKVCache(cfg, model.config)
+    prompts = torch.stack([ids[0, :6], ids[0, 30:36]])
+    with torch.no_grad():
+        model.generate(prompts[:1], cache=cache, max_new_tokens=3, do_sample=False)
+        cache.reset()
+        got = model.generate(prompts, cache=cache, max_new_tokens=20, do_sample=False)
+        ref = model.generate(prompts, cache=QSinkKVCache(cfg, model.config), max_new_tokens=20, do_sample=False)
+    assert torch.equal(got, ref)

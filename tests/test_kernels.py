@@ -201,3 +201,48 @@ def test_torch_decode_from_codes_matches_reference(case):
         ref = decode_attention_reference(q, layer, seq_lens, sink_logits=logits)
         out = decode_attention_torch(q, layer, seq_lens, sink_logits=logits)
         assert rel_rms(out, ref) < 1e-5
+
+
+def random_storage_layer(cfg, B, Hkv, seed=0):
+    """A layer whose every storage tensor holds fresh random data (codes, positive scales, floats):
+    which slots are live is a function of the lengths alone, so any length can be tested without
+    streaming that many tokens."""
+    g = torch.Generator().manual_seed(seed)
+    layer = SinkQuantCache(cfg, 1, B, Hkv, D, dtype=torch.float32, backend="torch").layers[0]
+    for name, t in layer.tensors().items():
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, generator=g))
+        elif "scale" in name:
+            t.copy_(torch.rand(t.shape, generator=g) * 0.1 + 0.01)
+        else:
+            t.copy_(torch.randn(t.shape, generator=g))
+    return layer
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_decode_positions_past_2_31(bits):
+    """Streams are unbounded: lengths past 2^31 and 2^32 (int32 positions would wrap)."""
+    from qsinkkv.decode import decode_attention_torch
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=13, bits=bits, block_size=4, value_group_size=8, residual_tokens=2)
+    layer = random_storage_layer(cfg, 3, 2, seed=bits)
+    seq_lens = torch.tensor([2**31 + 5, 2**32 + 78, 2**31 - 1])
+    q = torch.randn(3, 4, D, generator=torch.Generator().manual_seed(1))
+    ref = decode_attention_reference(q, layer, seq_lens)
+    assert ref.abs().amax() > 0.1
+    assert rel_rms(decode_attention_torch(q, layer, seq_lens), ref) < 1e-5
+    out = decode_attention(q.to(DEVICE), on_device(layer), seq_lens.to(DEVICE), num_splits=2).cpu()
+    assert rel_rms(out, ref) < KERNEL_TOL
+
+
+def test_decode_sink_logits_any_layout():
+    """Strided and expanded (stride 0) sink_logits are read as the values they show."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
+    layer, _ = filled_layer(cfg, [23, 11], 2, seed=5)
+    q = torch.randn(2, 6, D)
+    seq_lens = torch.tensor([23, 11])
+    for logits in ((torch.randn(12) * 3)[::2], torch.tensor(1.5).expand(6), torch.randn(6, 2)[:, 1]):
+        assert not logits.is_contiguous()
+        ref = decode_attention_reference(q, layer, seq_lens, sink_logits=logits.contiguous())
+        out = decode_attention(q.to(DEVICE), on_device(layer), seq_lens.to(DEVICE), sink_logits=logits.to(DEVICE),
+                               num_splits=2)
+        assert rel_rms(out.cpu(), ref) < KERNEL_TOL

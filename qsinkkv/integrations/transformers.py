@@ -130,8 +130,13 @@ class QSinkKVCache(Cache):
 
     # --- storage ------------------------------------------------------------------------------
     def _storage(self, key_states: Tensor) -> SinkQuantCache:
+        B, Hkv, _, D = key_states.shape
+        inner = self.inner
+        if inner is not None and not any(inner.layer_lengths()) and (
+                (inner.batch_size, inner.num_kv_heads, inner.head_dim, inner.device, inner.dtype)
+                != (B, Hkv, D, key_states.device, key_states.dtype)):
+            self.inner = None  # an empty (new or reset) cache takes the next batch's size, device and dtype
         if self.inner is None:
-            B, Hkv, _, D = key_states.shape
             self.inner = SinkQuantCache(self.config, self.num_layers, B, Hkv, D, device=key_states.device,
                                         dtype=key_states.dtype, rotary=self.rotary, backend=self.backend)
         return self.inner
@@ -142,16 +147,23 @@ class QSinkKVCache(Cache):
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         inner = self._storage(key_states)
+        forward_kwargs = kwargs.get("kwargs")
+        if layer_idx == 0:  # a new forward: every layer must hold the same stream
+            lengths = inner.layer_lengths()
+            if min(lengths) != max(lengths):
+                raise RuntimeError(
+                    f"qsinkkv: the cache's layers are out of step (they hold {sorted(set(lengths))} tokens): an "
+                    "earlier forward stopped part-way through the layers (an error or interrupt outside the "
+                    f"cache); call cache.crop({min(lengths)}) or cache.reset() before the next forward")
         if self.fused:
-            forward_kwargs = kwargs.get("kwargs")
             if forward_kwargs is None:
                 raise RuntimeError("attn_implementation='qsinkkv' needs a model that calls "
                                    "cache.update(k, v, layer_idx, kwargs=kwargs) (Llama-family models)")
             forward_kwargs[_KWARG] = self  # the same dict is expanded into the attention call
             return key_states, value_states
-        return self._portable_update(inner, key_states, value_states, layer_idx)
+        return self._portable_update(inner, key_states, value_states, layer_idx, forward_kwargs or {})
 
-    def _portable_update(self, inner, k, v, layer_idx):
+    def _portable_update(self, inner, k, v, layer_idx, forward_kwargs):
         B, _, T, _ = k.shape
         n0 = inner.get_seq_length(layer_idx)
         if self.config.positions != "absolute":
@@ -164,6 +176,13 @@ class QSinkKVCache(Cache):
             raise ValueError(f"a chunk of {T} tokens after {n0} exceeds the capacity {self.config.capacity} in the "
                              "portable mode (the model's mask cannot express sinks + window); use "
                              "attn_implementation='qsinkkv', or feed the prompt in pieces that fit")
+        pos = forward_kwargs.get("position_ids")
+        if layer_idx == 0 and pos is not None and not torch.equal(
+                pos.reshape(-1, T)[:1], torch.arange(n0, n0 + T, device=pos.device).unsqueeze(0)):
+            # generate() numbers a left-padded row from its first real token: the pads would be sinks
+            raise ValueError(f"the portable mode needs position_ids {n0}..{n0 + T - 1} (the cache's positions), got "
+                             f"{pos.reshape(-1)[:8].tolist()}...: a left-padded prompt (its pads would become sinks); "
+                             "drop the padding, or use attn_implementation='qsinkkv'")
         inner.append(layer_idx, k, v)
         layer = inner.layers[layer_idx]
         keys, values, pos = layer.gather(k.dtype)
@@ -196,15 +215,20 @@ class QSinkKVCache(Cache):
         if self.inner is not None:
             self.inner.reset()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """transformers' convention: a negative int removes that many of the newest tokens; a
-        non-negative one is the length to keep. Refused past the retained window."""
+    def crop(self, max_length: int) -> None:
+        """transformers' convention (``DynamicCache.crop``): a non-negative ``max_length`` is the length
+        to keep (a no-op when the cache is not longer); a negative one removes that many of the newest
+        tokens. Refused (nothing changed) past the retained window, or when removing more than it holds.
+        Also brings layers left out of step by an interrupted forward back to one length."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise ValueError(f"max_length must be an int (the length to keep, or minus the tokens to remove), "
+                             f"got {max_length!r}")
         n = self.get_seq_length()
-        remove = -tokens_to_remove if tokens_to_remove < 0 else n - tokens_to_remove
-        if remove < 0 or remove > n:
-            raise ValueError(f"cannot crop a cache of {n} tokens to {n - remove}")
-        if self.inner is not None and remove:
-            self.inner.crop(remove)
+        keep = n + max_length if max_length < 0 else max_length
+        if keep < 0:
+            raise ValueError(f"cannot remove {-max_length} tokens from a cache of {n} tokens")
+        if self.inner is not None:
+            self.inner.truncate(keep)
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         if self.inner is not None:

@@ -14,7 +14,9 @@ install:
 demo: install
 	$(PYTHON) -m qsinkkv.eval report --out out/report
 
+# lint, then the tests: what CI runs (.ci/run)
 test: install
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q
 
 memory: install

@@ -67,7 +67,7 @@ def bench_gpu(args):
     name = torch.cuda.get_device_name(dev)
     x = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    copy_ms = do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    copy_ms = do_bench(lambda x=x, y=y: y.copy_(x), warmup=10, rep=50, return_mode="median")
     copy_gbs = 2 * x.numel() / copy_ms / 1e6
     del x, y
     print(f"# {name}: copy bandwidth {copy_gbs:,.0f} GB/s (read + write)")
@@ -83,19 +83,20 @@ def bench_gpu(args):
                 row = dict(shape=shape, H=H, Hkv=Hkv, D=D, L=L, B=B)
                 _, k, v = make_cache(16, B, L, H, Hkv, D, dev, "triton")
                 k_exp, v_exp = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-                row["sdpa_ms"] = do_bench(lambda: F.scaled_dot_product_attention(q, k_exp, v_exp),
+                row["sdpa_ms"] = do_bench(lambda k=k_exp, v=v_exp: F.scaled_dot_product_attention(q, k, v),
                                           return_mode="median")
                 del k_exp, v_exp
                 try:
                     row["sdpa_gqa_ms"] = do_bench(
-                        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), return_mode="median")
+                        lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                        return_mode="median")
                 except (RuntimeError, TypeError):
                     row["sdpa_gqa_ms"] = None
                 del k, v
                 for bits in (16, 8, 4):
                     cache, _, _ = make_cache(bits, B, L, H, Hkv, D, dev, "triton")
                     layer, q3 = cache.layers[0], q[:, :, 0]
-                    ms = do_bench(lambda: decode_attention(q3, layer), return_mode="median")
+                    ms = do_bench(lambda layer=layer: decode_attention(q3, layer), return_mode="median")
                     nbytes = kernel_bytes(cache, L, B)
                     row[f"int{bits}_ms"] = ms
                     row[f"int{bits}_gbs"] = nbytes / ms / 1e6
@@ -118,9 +119,8 @@ def wall_ms(fn, reps):
 
 
 def bench_cpu(args):
-    from qsinkkv.kernels.decode_attention import decode_attention_reference
-
-    print(f"# CPU, {torch.get_num_threads()} threads: the PyTorch path (dequantize + attention); wall-clock medians")
+    print(f"# CPU, {torch.get_num_threads()} threads: the decode op the cache runs on the CPU (folded from the "
+          "codes, qsinkkv.decode.decode_attention_torch); wall-clock medians")
     print_header(gpu=False)
     rows = []
     for shape in args.shapes:
@@ -137,7 +137,7 @@ def bench_cpu(args):
                 for bits in (16, 8, 4):
                     cache, _, _ = make_cache(bits, B, L, H, Hkv, D, "cpu", "torch")
                     layer, q3 = cache.layers[0], q[:, :, 0]
-                    row[f"int{bits}_ms"] = wall_ms(lambda: decode_attention_reference(q3, layer), args.reps)
+                    row[f"int{bits}_ms"] = wall_ms(lambda: cache.ops.decode(q3, layer), args.reps)
                 rows.append(row)
                 print_row(row, gpu=False)
     return dict(device="cpu", threads=torch.get_num_threads(), rows=rows)
@@ -170,7 +170,8 @@ def main():
                     default=[1024, 8192, 32768, 131072] if gpu else [1024, 4096])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64] if gpu else [1, 4])
     ap.add_argument("--reps", type=int, default=5, help="CPU only: timed repetitions")
-    ap.add_argument("--max-gb", type=float, default=48.0, help="GPU only: skip configs whose bf16 baselines exceed this")
+    ap.add_argument("--max-gb", type=float, default=48.0,
+                    help="GPU only: skip configs whose bf16 baselines exceed this")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"# decode attention, {SINKS} sinks + (L-4) recent, block {BLOCK}; "

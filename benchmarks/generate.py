@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import pydoc_data.topics
 import statistics
 import time
 
-import pydoc_data.topics
 import torch
 from transformers import DynamicCache
 
@@ -70,8 +70,8 @@ def main():
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     all_ids = tok(text[: 8 * max(a.contexts)], return_tensors="pt").input_ids.to(a.device)
     try:
-        from transformers import QuantizedCache
         import optimum.quanto  # noqa: F401
+        from transformers import QuantizedCache
         has_quanto = True
     except ImportError:
         has_quanto = False

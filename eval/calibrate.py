@@ -57,11 +57,11 @@ def run(model, ids, tokenizer=None, captured: dict | None = None) -> dict:
     sink_mass = first_mass[..., :rec].sum(-1)                              # [L, H]
     heavy = []
     strong = (far_mass[:, :, rec:].amax(-1) >= HEAVY) & (far_mass[:, :, rec:].amax(-1) > sink_mass)
-    for l, h in strong.nonzero().tolist():
-        pos = int(far_mass[l, h, rec:].argmax().item()) + rec
+    for layer, h in strong.nonzero().tolist():
+        pos = int(far_mass[layer, h, rec:].argmax().item()) + rec
         tok = tokenizer.decode(ids[0, pos:pos + 1]) if tokenizer is not None else None
-        heavy.append(dict(layer=l, head=h, position=pos, token=tok, mass=far_mass[l, h, pos].item(),
-                          sink_mass=sink_mass[l, h].item()))
+        heavy.append(dict(layer=layer, head=h, position=pos, token=tok, mass=far_mass[layer, h, pos].item(),
+                          sink_mass=sink_mass[layer, h].item()))
     return dict(tokens=T, positions=F, recommended_sink_tokens=rec, mass_first_positions=cover,
                 uniform_share=uniform, sink_positions=is_sink.nonzero().flatten().tolist(),
                 mean_mass=[round(x, 5) for x in first_mass.mean((0, 1)).tolist()],

@@ -42,8 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qsinkkv import CacheConfig, SinkQuantCache
-from qsinkkv import quant
+from qsinkkv import CacheConfig, SinkQuantCache, gather, quant
 
 BF16 = torch.bfloat16  # what an unquantized token is held in (sinks, filling block, residual)
 BLOCK_SIZE = 64
@@ -200,7 +199,7 @@ def _real_cache_view(k: Tensor, v: Tensor, config: CacheConfig) -> StoredKV:
     B, H, T, D = k.shape
     cache = SinkQuantCache(config, 1, B, H, D, device=k.device, dtype=BF16, backend="torch")
     cache.append(0, k.to(BF16), v.to(BF16))
-    keys, values, pos = cache.layers[0].gather(torch.float32)
+    keys, values, pos = gather(cache.layers[0], torch.float32)
     kq = k.to(BF16).float()
     vq = v.to(BF16).float()
     p = pos[0]

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from . import replay
 from .progress import bar
 from .schemes import REFERENCE, Scheme, store_of

@@ -38,8 +38,10 @@ def main():
     dt = time.perf_counter() - t0
     n = out.shape[1]
     text = model.config
-    full_bf16 = 2 * text.num_hidden_layers * text.num_key_value_heads * n * (text.hidden_size // text.num_attention_heads) * 2
-    print(f"\n--- {out.shape[1] - ids.shape[1]} new tokens in {dt:.1f} s ({(out.shape[1] - ids.shape[1]) / dt:.1f} tokens/s); "
+    head_dim = text.hidden_size // text.num_attention_heads
+    full_bf16 = 2 * text.num_hidden_layers * text.num_key_value_heads * n * head_dim * 2
+    new = out.shape[1] - ids.shape[1]
+    print(f"\n--- {new} new tokens in {dt:.1f} s ({new / dt:.1f} tokens/s); "
           f"stream length {n}, capacity {cfg.capacity} ({a.sinks} sinks + {a.recent} recent, int{a.bits})")
     print(f"--- cache holds {cache.nbytes():,} bytes; a full bf16 cache of {n} tokens would hold {full_bf16:,}")
 

@@ -15,8 +15,8 @@ Channels are handled as two halves ``[0, D/2)`` and ``[D/2, D)``: the half split
 RoPE's ``rotate_half`` pairs, so the ``cache_index`` contract rotates a dequantized key by
 its local index with no shuffles (int4 halves start on a byte boundary: D % 4 == 0).
 
-The reference is ``qsinkkv.decode.decode_attention_reference``: the cache's PyTorch gather
-plus ``qsinkkv.attention.sink_window_attention`` on the same storage.
+The reference is ``qsinkkv.decode.decode_attention_reference``: ``qsinkkv.storage.gather``
+plus ``qsinkkv.attention.sink_window_attention`` on the same ``LayerStorage``.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from qsinkkv.decode import decode_attention_reference  # noqa: F401  (the kernel's reference)
-from qsinkkv.cache import LayerCache
 from qsinkkv.rope import Rotary
+from qsinkkv.storage import LayerStorage
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Tests set this to fill the partial-state workspace and the output with NaN before each
@@ -226,15 +226,13 @@ def _num_splits(batch_kv_heads: int, max_blocks: int, device: torch.device) -> i
     return max(1, min(triton.cdiv(2 * sms, batch_kv_heads), triton.cdiv(max_blocks, 4)))
 
 
-def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = None, *, scale: float | None = None,
-                     rotary: Rotary | None = None, sink_logits: Tensor | None = None,
-                     num_splits: int | None = None) -> Tensor:
+def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = None, rotary: Rotary | None = None,
+                     sink_logits: Tensor | None = None, num_splits: int | None = None) -> Tensor:
     """Attention of one new query per sequence over a layer's stored sinks + recent window.
 
     q:           ``[B, H, D]``, H a multiple of the layer's Hkv (query head h reads kv head h // (H/Hkv)).
-    layer:       a ``LayerCache`` (its storage tensors, contiguous, on q's device).
-    seq_lens:    ``[B]`` int, tokens stored per sequence (>= 1; default: ``layer.seq_len`` for all);
-                 the query sits at position ``seq_lens - 1``.
+    layer:       a ``LayerStorage`` (contiguous tensors on q's device); sequence b holds
+                 ``layer.seq_lens[b]`` tokens and its query sits at position ``seq_lens[b] - 1``.
     scale:       softmax scale, default ``D ** -0.5``.
     rotary:      pass for the ``cache_index`` contract: q and the stored keys are pre-RoPE and are
                  rotated in the kernel by their index in the cache.
@@ -242,7 +240,7 @@ def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = Non
     num_splits:  programs per (sequence, kv head) along the window; default fills the GPU.
     Returns ``[B, H, D]`` in q's dtype.
     """
-    cfg, L = layer.config, layer.layout
+    cfg, L = layer.layout.config, layer.layout
     B, Hkv, S, D = layer.sink_k.shape
     if not isinstance(q, Tensor) or q.ndim != 3 or q.shape[0] != B or q.shape[2] != D or q.shape[1] % Hkv:
         raise ValueError(f"q must be [B={B}, H, D={D}] with H a multiple of Hkv={Hkv}, "
@@ -253,20 +251,17 @@ def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = Non
         raise ValueError(f"the Triton decode kernel needs head_dim % 4 == 0, got head_dim={D}")
     H = q.shape[1]
     G = H // Hkv
-    if seq_lens is None:
-        seq_lens = layer.seq_lens()
-    elif not isinstance(seq_lens, Tensor) or seq_lens.shape != (B,) or seq_lens.dtype.is_floating_point:
-        raise ValueError(f"seq_lens must be an int tensor of shape [B={B}], got {seq_lens!r}")
     if sink_logits is not None:
         if not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,):
-            raise ValueError(f"sink_logits must be a tensor of shape [H={H}], got {getattr(sink_logits, 'shape', None)}")
+            raise ValueError(f"sink_logits must be a tensor of shape [H={H}], "
+                             f"got {getattr(sink_logits, 'shape', None)}")
         if sink_logits.device != q.device:
             raise ValueError(f"sink_logits.device must be q's device {q.device}, got {sink_logits.device}")
         sink_logits = sink_logits.float().contiguous()  # the kernel indexes it densely: no strides
     if rotary is not None and rotary.head_dim != D:
         raise ValueError(f"rotary covers head_dim={rotary.head_dim}, the cache has head_dim={D}")
     # int64: a stream's length is unbounded (int32 positions wrap at 2^31)
-    seq_lens = seq_lens.to(device=q.device, dtype=torch.int64).contiguous()
+    seq_lens = layer.seq_lens.to(device=q.device, dtype=torch.int64).contiguous()
     max_blocks = L.quant_slots + L.float_slots + 1
     splits = _num_splits(B * Hkv, max_blocks, q.device) if num_splits is None else num_splits
     if not isinstance(splits, int) or splits < 1:
@@ -286,8 +281,8 @@ def decode_attention(q: Tensor, layer: LayerCache, seq_lens: Tensor | None = Non
         q.contiguous(), layer.sink_k, layer.sink_v, layer.float_k, layer.float_v,
         layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,
         seq_lens, inv_freq, part_acc, part_ml,
-        qk_scale, Hkv, G, D, S, cfg.recent_tokens, L.residual_tokens, max(L.quant_slots, 1),
-        layer.float_k.shape[2], triton.cdiv(max_blocks, splits),
+        qk_scale, Hkv, G, D, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
+        L.float_rows, triton.cdiv(max_blocks, splits),
         BS=cfg.block_size, BITS=cfg.bits, GROUP=cfg.value_group_size if cfg.bits != 16 else 1, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_DH=max(16, triton.next_power_of_2(D // 2)),
         BLOCK_T=max(16, triton.next_power_of_2(cfg.block_size)), BLOCK_S=16,

@@ -1,6 +1,6 @@
 """Reference sink + window attention in plain PyTorch (the CPU path; the kernels' oracle).
 
-Keys carry their logical positions; the visible-set rule is one mask:
+Keys carry their logical positions; the visible-set rule is one mask (``layout.visible_mask``):
 ``visible(i, p) = 0 <= p <= i and (p < S or p > i - W)`` — which is ``[0..i]`` while
 ``i < S + W`` and ``[0..S-1] ∪ [i-W+1 .. i]`` after. Empty slots have position -1.
 """
@@ -9,16 +9,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .layout import visible_mask
 from .rope import Rotary
 
+__all__ = ["sink_window_attention", "visible_mask"]
+
 _QUERY_CHUNK = 256  # bounds the [T, N] score matrix of long prefills
-
-
-def visible_mask(q_pos: Tensor, k_pos: Tensor, sink_tokens: int, recent_tokens: int) -> Tensor:
-    """bool ``[..., T, N]``: may the query at ``q_pos[..., t]`` see the key at ``k_pos[..., n]``."""
-    q = q_pos.unsqueeze(-1)
-    k = k_pos.unsqueeze(-2)
-    return (k >= 0) & (k <= q) & ((k < sink_tokens) | (k > q - recent_tokens))
 
 
 def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, *,

@@ -1,9 +1,13 @@
-"""Decode attention in PyTorch: the reference, and the CPU fast path straight from the codes.
+"""Decode attention in PyTorch over a ``LayerStorage``: the reference, and the folded CPU path.
 
-``decode_attention_reference`` dequantizes the whole window and runs the dense
-``sink_window_attention``: the reference of both fast paths (this one and the Triton kernel).
+One query token per sequence, at position ``seq_lens[b] - 1`` (the newest stored token).
 
-``decode_attention_torch`` folds the affine dequantization into the two products instead:
+``decode_attention_reference`` dequantizes every slot and runs the dense
+``sink_window_attention``: the reference of both fast paths (the folded one below and the
+Triton kernel, ``qsinkkv.kernels.decode_attention``).
+
+``decode_attention_torch`` (the cache's CPU path for absolute positions) folds the affine
+dequantization into the two products instead:
 
   scores[t] = sum_d q_d (c_td s_d + z_d)        = sum_d (q_d s_d) c_td + sum_d q_d z_d
   out_d     = sum_t p_t (c_td s_tg + z_tg)      = sum_t (p_t s_tg) c_td + sum_t p_t z_tg,  g = d // G
@@ -18,58 +22,60 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .attention import sink_window_attention, visible_mask
+from .attention import sink_window_attention
 from .rope import Rotary
+from .storage import LayerStorage, gather
 
 
-def decode_attention_torch(q: Tensor, layer, seq_lens: Tensor | None = None, *, scale: float | None = None,
+def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | None = None,
                            sink_logits: Tensor | None = None) -> Tensor:
-    """One query per sequence over a ``LayerCache``: ``q [B, H, D]`` -> ``[B, H, D]`` in q's dtype.
-    Same contract as ``qsinkkv.kernels.decode_attention`` (absolute positions)."""
-    cfg = layer.config
+    """``q [B, H, D]`` -> ``[B, H, D]`` in q's dtype, straight from the codes. Same contract as
+    ``qsinkkv.kernels.decode_attention`` (absolute positions).
+
+    Scores are kept as ``[B, Hkv, N, G]`` (tokens before query heads) so that every product
+    reads the stored tensors in their own row-major order: ``codes [.., bs, D] @ q [.., D, G]``
+    and ``p [.., G, N] @ codes [.., N, D]``, with no transposed copy of the window."""
+    cfg = layer.layout.config
     B, Hkv, S, D = layer.sink_k.shape
-    H = q.shape[1]
-    G = H // Hkv
-    seq_lens = layer.seq_lens() if seq_lens is None else seq_lens
-    scale = D ** -0.5 if scale is None else scale
-    qf = q.float().view(B, Hkv, G, D) * scale
-    sink_pos, quant_pos, float_pos = layer.layout.slot_positions(seq_lens)
-
-    scores = [torch.einsum("bhgd,bhsd->bhgs", qf, layer.sink_k.float())]
+    G = q.shape[1] // Hkv
     nq, bs = layer.key_codes.shape[2], cfg.block_size
-    if nq:
-        codes = _split_codes(layer.key_codes, cfg.bits)                          # [B, Hkv, nq, bs, D/k] each
-        qs = qf.unsqueeze(3) * layer.key_scale.float().unsqueeze(2)              # [B, Hkv, G, nq, D]
-        qs = _split_channels(qs, cfg.bits)
-        s_q = sum(torch.einsum("bhgjd,bhjtd->bhgjt", a, c) for a, c in zip(qs, codes))
-        s_q = s_q + torch.einsum("bhgd,bhjd->bhgj", qf, layer.key_zero.float()).unsqueeze(-1)
-        scores.append(s_q.flatten(-2))
-    scores.append(torch.einsum("bhgd,bhfd->bhgf", qf, layer.float_k.float()))
-    scores = torch.cat(scores, dim=-1)
-    pos = torch.cat((sink_pos, quant_pos, float_pos), dim=1)
-    seen = visible_mask((seq_lens.long() - 1).unsqueeze(-1), pos, cfg.sink_tokens, cfg.recent_tokens)
-    scores = scores.masked_fill(~seen.view(B, 1, 1, -1), float("-inf"))
-    if sink_logits is None:
-        p = torch.softmax(scores, dim=-1)
-    else:
-        s = sink_logits.float().view(1, Hkv, G, 1).expand(B, Hkv, G, 1)
-        p = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
+    scale = D ** -0.5 if scale is None else scale
+    qT = (q.float().view(B, Hkv, G, D) * scale).transpose(-1, -2).contiguous()  # [B, Hkv, D, G]
 
-    p_sink, p_quant, p_float = p.split([S, nq * bs, p.shape[-1] - S - nq * bs], dim=-1)
-    out = torch.einsum("bhgs,bhsd->bhgd", p_sink, layer.sink_v.float())
-    out = out + torch.einsum("bhgf,bhfd->bhgd", p_float, layer.float_v.float())
+    scores = [layer.sink_k.float() @ qT]                                        # [B, Hkv, S, G]
+    if nq:
+        qsT = qT.unsqueeze(2) * layer.key_scale.float().unsqueeze(-1)           # [B, Hkv, nq, D, G]
+        s_q = (layer.key_zero.float() @ qT).unsqueeze(3)                        # [B, Hkv, nq, 1, G]
+        for c, qc in zip(_split_codes(layer.key_codes, cfg.bits), _split_channels(qsT, cfg.bits)):
+            s_q = s_q + c @ qc                                                  # [B, Hkv, nq, bs, G]
+        scores.append(s_q.flatten(2, 3))
+    scores.append(layer.float_k.float() @ qT)                                   # [B, Hkv, F, G]
+    scores = torch.cat(scores, dim=2)                                           # [B, Hkv, N, G]
+    seen = layer.layout.visible_slots(layer.seq_lens, q.device)                 # [B, N]
+    scores = scores.masked_fill(~seen.view(B, 1, -1, 1), float("-inf"))
+    if sink_logits is None:
+        p = torch.softmax(scores, dim=2)
+    else:
+        s = sink_logits.float().view(1, Hkv, 1, G).expand(B, Hkv, 1, G)
+        p = torch.softmax(torch.cat((scores, s), dim=2), dim=2)[:, :, :-1]
+    pT = p.transpose(-1, -2)                                                    # [B, Hkv, G, N]
+    out = pT[..., :S] @ layer.sink_v.float() + pT[..., S + nq * bs:] @ layer.float_v.float()
     if nq:
         gs = cfg.value_group_size
         ng = D // gs
-        p_quant = p_quant.reshape(B, Hkv, G, nq, bs)
-        ps = p_quant.unsqueeze(-1) * layer.value_scale.float().unsqueeze(2)     # [B, Hkv, G, nq, bs, NG]
-        codes = _split_codes(layer.value_codes, cfg.bits)
-        k = len(codes)
-        parts = [torch.einsum("bhgjtn,bhjtnc->bhgnc", ps, c.reshape(B, Hkv, nq, bs, ng, gs // k)) for c in codes]
-        coded = torch.stack(parts, dim=-1).flatten(-3) if k == 2 else parts[0].flatten(-2)
-        bias = torch.einsum("bhgjt,bhjtn->bhgn", p_quant, layer.value_zero.float())
-        out = out + coded + bias.repeat_interleave(gs, dim=-1)
-    return out.reshape(B, H, D).to(q.dtype)
+        p_q = pT[..., S:S + nq * bs]                                            # [B, Hkv, G, Nq]
+        v_scale = layer.value_scale.float().flatten(2, 3)                       # [B, Hkv, Nq, ng]
+        v_zero = layer.value_zero.float().flatten(2, 3)
+        bias = p_q @ v_zero                                                     # [B, Hkv, G, ng]
+        codes = [c.flatten(2, 3).unflatten(-1, (ng, -1)) for c in _split_codes(layer.value_codes, cfg.bits)]
+        parts = []                                                              # per group: [B, Hkv, G, gs]
+        for n in range(ng):
+            ps = p_q * v_scale[..., n].unsqueeze(2)                             # [B, Hkv, G, Nq]
+            planes = [ps @ c[..., n, :] for c in codes]                         # [B, Hkv, G, gs / k] each
+            part = torch.stack(planes, dim=-1).flatten(-2) if len(planes) == 2 else planes[0]
+            parts.append(part + bias[..., n:n + 1])
+        out = out + (torch.cat(parts, dim=-1) if ng > 1 else parts[0])
+    return out.reshape(B, Hkv * G, D).to(q.dtype)
 
 
 def _split_codes(codes: Tensor, bits: int) -> list[Tensor]:
@@ -80,19 +86,18 @@ def _split_codes(codes: Tensor, bits: int) -> list[Tensor]:
 
 
 def _split_channels(x: Tensor, bits: int) -> list[Tensor]:
-    return [x[..., 0::2], x[..., 1::2]] if bits == 4 else [x]
+    """``x [..., D, G]`` as the codes' planes: int4 (even channels, odd channels) as row views."""
+    return [x[..., 0::2, :], x[..., 1::2, :]] if bits == 4 else [x]
 
 
-def decode_attention_reference(q: Tensor, layer, seq_lens: Tensor | None = None, *,
-                               scale: float | None = None, rotary: Rotary | None = None,
-                               sink_logits: Tensor | None = None) -> Tensor:
-    """PyTorch reference of ``decode_attention`` on the same storage: dequantize everything, then
-    dense masked attention. ``q [B, H, D]`` -> ``[B, H, D]``."""
+def decode_attention_reference(q: Tensor, layer: LayerStorage, *, scale: float | None = None,
+                               rotary: Rotary | None = None, sink_logits: Tensor | None = None) -> Tensor:
+    """Dequantize every slot, then dense masked attention: ``q [B, H, D]`` -> ``[B, H, D]``.
+    With ``rotary`` (the ``cache_index`` contract) q and the stored keys are pre-RoPE."""
     B = q.shape[0]
-    seq_lens = layer.seq_lens() if seq_lens is None else seq_lens
-    k, v, k_pos = layer.gather(torch.float32, seq_lens)
-    q_pos = (seq_lens.long() - 1).view(B, 1)
-    cfg = layer.config
+    k, v, k_pos = gather(layer, torch.float32)
+    q_pos = (layer.seq_lens.to(q.device) - 1).view(B, 1)
+    cfg = layer.layout.config
     out = sink_window_attention(q.unsqueeze(2), k, v, q_pos, k_pos, sink_tokens=cfg.sink_tokens,
                                 recent_tokens=cfg.recent_tokens, scale=scale, rotary=rotary, sink_logits=sink_logits)
     return out.squeeze(2)

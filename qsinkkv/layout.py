@@ -1,24 +1,24 @@
 """Where every token of the recent window lives: the one layout description that the
-PyTorch reference and the Triton kernels both read.
+PyTorch paths and the Triton kernels both read.
 
-The stream is positions 0, 1, 2, ...; the first S go to the sink segment. Recent token
-``r = pos - S`` belongs to block ``b = r // block_size`` (block_start_pos = S + b * bs).
-With m recent tokens seen:
+The stream of one sequence is positions 0, 1, 2, ...; the first S go to the sink segment.
+Recent token ``r = pos - S`` belongs to block ``b = r // block_size`` (block_start_pos =
+S + b * bs). With m recent tokens seen and U the unquantized tail (``unquantized_tokens``):
 
-* ``quantized_blocks(m) = max(m - R, 0) // bs`` blocks are full and older than the
-  residual R; they live as codes in the *quantized ring* at slot ``b % quant_slots``.
+* ``quantized_blocks(m) = max(m - U, 0) // bs`` blocks are full and older than the
+  unquantized tail; they live as codes in the *quantized ring* at slot ``b % quant_slots``.
 * the newer blocks ``[quantized_blocks, ceil(m / bs))`` (the filling block and the
-  residual) live unquantized in the *float ring* at slot ``b % float_slots``.
+  residual) live unquantized in the *float ring* at row ``r % (float_slots * bs)``.
 * a query at the newest position sees recent tokens ``[max(m - W, 0), m)``; the older
   part of the oldest block is stale and masked.
 
 The ring sizes are the smallest that hold every visible token (proofs in comments), so
-storage is fixed at construction and a stream of any length never grows it. With
-``bits=16`` everything is "residual": the float ring holds the whole window.
+storage is fixed at construction and a stream of any length never grows it. The sizes
+themselves live in ``CacheConfig`` (their one holder); this adds what follows from them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -26,39 +26,71 @@ from torch import Tensor
 from .config import CacheConfig
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def visible_mask(q_pos: Tensor, k_pos: Tensor, sink_tokens: int, recent_tokens: int) -> Tensor:
+    """The visible-set rule, bool ``[..., T, N]``: may the query at ``q_pos[..., t]`` see the key at
+    ``k_pos[..., n]`` (-1: an empty slot). ``0 <= p <= i and (p < S or p > i - W)``."""
+    q = q_pos.unsqueeze(-1)
+    k = k_pos.unsqueeze(-2)
+    return (k >= 0) & (k <= q) & ((k < sink_tokens) | (k > q - recent_tokens))
 
 
 @dataclass(frozen=True)
 class WindowLayout:
-    sink_tokens: int
-    recent_tokens: int
-    block_size: int
-    residual_tokens: int  # effective R: recent_tokens when bits == 16
-    quant_slots: int
-    float_slots: int
+    config: CacheConfig
+    unquantized_tokens: int = field(init=False)  # U: residual_tokens, or the whole window with bits=16
+    quant_slots: int = field(init=False)
+    float_slots: int = field(init=False)
+    _seen: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # visible_slots' memo
 
-    @classmethod
-    def from_config(cls, config: CacheConfig) -> "WindowLayout":
-        W, bs = config.recent_tokens, config.block_size
-        R = W if config.bits == 16 else config.residual_tokens
-        # Full blocks of the visible window that are older than the residual: the window
-        # [m-W, m) minus at least R unquantized tokens spans at most ceil((W-R)/bs) blocks.
-        quant_slots = _cdiv(W - R, bs)
-        # Unquantized tokens number m - bs*floor((m-R)/bs) <= R + bs - 1: that many blocks.
-        float_slots = _cdiv(R + bs - 1, bs)
-        return cls(config.sink_tokens, W, bs, R, quant_slots, float_slots)
+    def __post_init__(self) -> None:
+        cfg = self.config
+        W, bs = cfg.recent_tokens, cfg.block_size
+        # The bits=16 special case, in one place: nothing is ever quantized, the float ring holds the window.
+        U = W if cfg.bits == 16 else cfg.residual_tokens
+        # Full blocks of the visible window that are older than U: the window [m-W, m) minus at
+        # least U unquantized tokens spans at most ceil((W-U)/bs) blocks.
+        object.__setattr__(self, "unquantized_tokens", U)
+        object.__setattr__(self, "quant_slots", cdiv(W - U, bs))
+        # Unquantized tokens number m - bs*floor((m-U)/bs) <= U + bs - 1: that many blocks.
+        object.__setattr__(self, "float_slots", cdiv(U + bs - 1, bs))
 
-    # --- counts, as functions of the number of recent tokens m ------------------------------
-    def quantized_blocks(self, m: int) -> int:
+    @property
+    def sink_tokens(self) -> int:
+        return self.config.sink_tokens
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.config.recent_tokens
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def float_rows(self) -> int:
+        """Rows of the float ring: ``float_slots * block_size``."""
+        return self.float_slots * self.config.block_size
+
+    # --- counts, as functions of the number of recent tokens m (ints or tensors) ------------
+    def recent_count(self, seq_len):
+        """Recent tokens m of a sequence of ``seq_len`` tokens."""
+        return (seq_len - self.sink_tokens).clamp(min=0) if isinstance(seq_len, Tensor) else \
+            max(seq_len - self.sink_tokens, 0)
+
+    def quantized_blocks(self, m):
         """Blocks [0, q) are quantized (some may already be evicted)."""
-        return max(m - self.residual_tokens, 0) // self.block_size
+        excess = (m - self.unquantized_tokens).clamp(min=0) if isinstance(m, Tensor) else \
+            max(m - self.unquantized_tokens, 0)
+        return excess // self.block_size
 
     def quantized_from(self, r):
         """The recent count m from which recent token ``r`` (int or tensor) is held quantized:
         the least m with ``quantized_blocks(m) > r // block_size`` (never reached with bits=16)."""
-        return (r // self.block_size + 1) * self.block_size + self.residual_tokens
+        return (r // self.block_size + 1) * self.block_size + self.unquantized_tokens
 
     def first_visible(self, m: int) -> int:
         """Oldest recent index a query at the newest position sees."""
@@ -68,36 +100,41 @@ class WindowLayout:
         """Blocks before this one hold no visible token and may be overwritten."""
         return self.first_visible(m) // self.block_size
 
-    def end_block(self, m: int) -> int:
-        return _cdiv(m, self.block_size)
-
-    def block_start_pos(self, b: int) -> int:
-        return self.sink_tokens + b * self.block_size
-
-    def recent_count(self, seq_len: int) -> int:
-        return max(seq_len - self.sink_tokens, 0)
-
+    def visible_slots(self, seq_lens: Tensor, device: torch.device) -> Tensor:
+        """bool ``[B, S + quant_slots*bs + float_rows]`` on ``device``: the slots (sinks, quantized ring,
+        float ring) a query at the newest position of each sequence (lengths ``seq_lens [B]``, host)
+        sees. Every layer of a model step asks with the same lengths, so the last answer is kept
+        (decode metadata built once per step, not once per layer)."""
+        key = (tuple(seq_lens.tolist()), device)
+        seen = self._seen.get(key)
+        if seen is None:
+            seq_lens = seq_lens.to(device)
+            pos = torch.cat(self.slot_positions(seq_lens), dim=1)
+            seen = visible_mask((seq_lens.long() - 1).unsqueeze(-1), pos, self.sink_tokens, self.recent_tokens)
+            self._seen.clear()
+            self._seen[key] = seen = seen.squeeze(1)
+        return seen
 
     def slot_positions(self, seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Logical position held by every storage slot, per sequence of length ``seq_lens [B]``:
-        sinks ``[B, S]``, quantized ring ``[B, quant_slots * bs]``, float ring ``[B, float_slots * bs]``.
+        sinks ``[B, S]``, quantized ring ``[B, quant_slots * bs]``, float ring ``[B, float_rows]``.
 
         -1 marks an empty slot or a block that was never written. Stale tokens (older than
         the window) keep their position; the visible-set mask drops them.
         """
-        S, bs, R = self.sink_tokens, self.block_size, self.residual_tokens
+        S, bs = self.sink_tokens, self.block_size
         dev = seq_lens.device
         n = seq_lens.long().unsqueeze(-1)                                     # [B, 1]
         sink = torch.arange(S, device=dev)
         sink_pos = torch.where(sink < n, sink, -1)
-        m = (n - S).clamp(min=0)                                              # recent tokens seen
-        q = (m - R).clamp(min=0) // bs                                        # quantized blocks
+        m = self.recent_count(n)                                              # recent tokens seen
+        q = self.quantized_blocks(m)                                          # quantized blocks
         nq = self.quant_slots
         slot = torch.arange(nq, device=dev)
         block = q - 1 - (q - 1 - slot) % max(nq, 1)                           # newest b < q with b % nq == slot
         quant_pos = (S + block * bs).unsqueeze(-1) + torch.arange(bs, device=dev)
         quant_pos = torch.where((block >= 0).unsqueeze(-1), quant_pos, -1).flatten(1)
-        F = self.float_slots * bs
+        F = self.float_rows
         row = torch.arange(F, device=dev)
         r = m - 1 - (m - 1 - row) % F                                         # newest r < m in this row
         float_pos = torch.where((r >= q * bs) & (r >= 0), S + r, -1)

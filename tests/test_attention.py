@@ -39,7 +39,8 @@ def run_stream(cfg, *, B=2, Hkv=2, G=3, D=16, schedule=None, rotary=None, sink_l
             source = lambda i: stored  # noqa: E731
         else:
             prior = stored_history(k, v, n, cfg)
-            full = torch.cat((prior[0], k[:, :, n:n + T].double()), 2), torch.cat((prior[1], v[:, :, n:n + T].double()), 2)
+            full = (torch.cat((prior[0], k[:, :, n:n + T].double()), 2),
+                    torch.cat((prior[1], v[:, :, n:n + T].double()), 2))
             source = lambda i: full  # noqa: E731
         ref = attention_oracle(q[:, :, n:n + T], source, S, W, range(n, n + T), rotary, sink_logits)
         worst = max(worst, rel_max(out, ref))
@@ -122,5 +123,6 @@ def test_triton_stream_matches_oracle(bits, positions):
     cfg = CacheConfig(sink_tokens=3, recent_tokens=12, bits=bits, block_size=4, value_group_size=8,
                       positions=positions)
     worst, _ = run_stream(cfg, B=2, Hkv=1, G=4, schedule=[20] + [1] * 14 + [3] + [1] * 6,
-                          rotary=ROTARY if positions == "cache_index" else None, backend="triton", seed=5, device=DEVICE)
+                          rotary=ROTARY if positions == "cache_index" else None, backend="triton", seed=5,
+                          device=DEVICE)
     assert worst < KERNEL_TOL, f"vs oracle on stored K/V: {worst:.2e}"

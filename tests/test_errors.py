@@ -8,12 +8,12 @@ B, HKV, D = 2, 2, 8
 
 
 def snapshot(cache):
-    return [(layer.seq_len, {n: t.clone() for n, t in layer.tensors().items()}) for layer in cache.layers]
+    return [(layer.seq_lens.clone(), {n: t.clone() for n, t in layer.tensors().items()}) for layer in cache.layers]
 
 
 def assert_unchanged(cache, snap):
-    for layer, (seq_len, tensors) in zip(cache.layers, snap):
-        assert layer.seq_len == seq_len
+    for layer, (seq_lens, tensors) in zip(cache.layers, snap):
+        assert torch.equal(layer.seq_lens, seq_lens)
         for name, t in layer.tensors().items():
             assert torch.equal(t, tensors[name]), name
 
@@ -43,7 +43,8 @@ BAD_APPENDS = [
     (lambda: (-1, kv(), kv()), IndexError, "layer must be"),
     (lambda: ("0", kv(), kv()), IndexError, "layer must be"),
     (lambda: (0, kv(shape=(B, HKV, D)), kv()), ValueError, "k must have 4 dims"),
-    (lambda: (0, kv(shape=(B, 3, 1, D)), kv(shape=(B, 3, 1, D))), ValueError, r"k must have shape \[B=2, Hkv=2, T, D=8\]"),
+    (lambda: (0, kv(shape=(B, 3, 1, D)), kv(shape=(B, 3, 1, D))), ValueError,
+     r"k must have shape \[B=2, Hkv=2, T, D=8\]"),
     (lambda: (0, kv(shape=(B, HKV, 1, 4)), kv(shape=(B, HKV, 1, 4))), ValueError, "k must have shape"),
     (lambda: (0, kv(shape=(1, HKV, 1, D)), kv(shape=(1, HKV, 1, D))), ValueError, "k must have shape"),
     (lambda: (0, kv(shape=(B, HKV, 0, D)), kv(shape=(B, HKV, 0, D))), ValueError, "T >= 1"),

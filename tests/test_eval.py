@@ -59,8 +59,8 @@ def test_report_writes_every_file_and_scheme(report):
         assert all(finite(r[m]) for m in ("k_err", "v_err", "sink_v_err", "out_err", "kl", "sink_mass"))
     for layer in res["kv"]["per_layer"].values():
         assert len(layer["out_err"]) == 30
-    assert [r["config"] for r in res["stream"]["rows"]] == [c["name"] for c in
-                                                           __import__("qsinkkv.eval.stream").eval.stream.configs(4, 508)]
+    stream_configs = __import__("qsinkkv.eval.stream").eval.stream.configs(4, 508)
+    assert [r["config"] for r in res["stream"]["rows"]] == [c["name"] for c in stream_configs]
     assert all(finite(r["ppl"]) for r in res["stream"]["rows"])
     assert res["calibrate"]["recommended_sink_tokens"] >= 1
 
@@ -123,8 +123,10 @@ def test_replay_tracks_a_real_token_by_token_stream():
     ids = data.encode(tok, data.default_text(), 96)
     S, W = 4, 40
     kw = dict(sink_tokens=S, bits=4, block_size=8, value_group_size=16)
-    with replay.replay(lambda l, k, v: schemes._real_cache_view(k, v, CacheConfig(recent_tokens=k.shape[2] - S, **kw)),
-                       S, W):
+    def view(layer, k, v):
+        return schemes._real_cache_view(k, v, CacheConfig(recent_tokens=k.shape[2] - S, **kw))
+
+    with replay.replay(view, S, W):
         par, _, _ = replay.token_logprobs(model, ids)
     model.set_attn_implementation("qsinkkv")
     cache = QSinkKVCache(CacheConfig(recent_tokens=W, **kw), model.config, backend="torch")

@@ -1,7 +1,7 @@
 """The transformers integration on the real default model (SmolLM2-135M-Instruct, float32, CPU)."""
 import copy
-
 import pydoc_data.topics
+
 import pytest
 import torch
 from oracle import attention_oracle
@@ -174,15 +174,69 @@ def test_crop_within_the_window(lm):
 
 # --- bad use ---------------------------------------------------------------------------------------
 
-def test_padded_batch_is_refused(lm):
-    model, _, ids = lm
+def _left_padded(tok, prompts):
+    """generate's own batch: pad on the left, the mask marks the real tokens."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.eos_token_id)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def lm64(lm):
+    """The model in float64: a batch and a single prompt then give K/V equal to ~1e-16, so the int4
+    codes of a row are bit-identical to its codes alone (in float32, batched matmuls round differently
+    from batch-1 ones, and ~1 int4 code in 10^5 flips: the greedy tokens then part at a near-tie)."""
+    model, tok, ids = lm
+    return copy.deepcopy(model).double(), tok, ids
+
+
+@pytest.mark.parametrize("positions", ["absolute", "cache_index"])
+@pytest.mark.parametrize("bits", [16, 4])
+def test_left_padded_batch_equals_each_prompt_alone(lm, lm64, bits, positions):
+    """Prompts of different lengths, left-padded, streamed past the capacity (S + W = 32): every row
+    gives the greedy tokens of its prompt run alone, and logits within 1e-4 (bits=16 on a float32
+    cache, float32 model) or 1e-6 (int4 with bf16 sinks and window, float64 model)."""
+    model, tok, ids = lm if bits == 16 else lm64
     use(model, "qsinkkv")
-    prompts = torch.stack([ids[0, :8], ids[0, 20:28]])
-    mask = torch.ones_like(prompts)
-    mask[1, :3] = 0
-    with pytest.raises(ValueError, match="padded batches are not supported"):
-        model.generate(prompts, attention_mask=mask, cache=QSinkKVCache(CacheConfig(bits=16), model.config),
-                       max_new_tokens=2)
+    store = F32 if bits == 16 else {}
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=4, value_group_size=32,
+                      positions=positions, **store)
+    prompts = [ids[0, 100:105], ids[0, 200:219], ids[0, 300:311]]
+    batch, mask = _left_padded(tok, prompts)
+    run = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+               return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        got = model.generate(batch, attention_mask=mask, cache=QSinkKVCache(cfg, model.config), **run)
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], cache=QSinkKVCache(cfg, model.config), **run)
+            assert torch.equal(got.sequences[b, batch.shape[1]:], alone.sequences[0, len(p):]), f"row {b}"
+            diff = max((x[b] - y[0]).abs().max().item() for x, y in zip(got.logits, alone.logits))
+            assert diff < (1e-4 if bits == 16 else 1e-6), f"row {b}: {diff:.2e}"
+
+
+def test_right_padded_chunk_and_idle_rows(lm64):
+    """A mask with pads at the end of a row, and a row with no real token: only the real tokens are
+    stored, each row at its own positions, and each row's logits are its own."""
+    model, tok, ids = lm64
+    use(model, "qsinkkv")
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=4, block_size=4, value_group_size=32)
+    a, b = ids[:, :9], ids[:, 40:46]
+    pad = torch.full((1, 3), tok.eos_token_id)
+    batch = torch.cat((a, torch.cat((b, pad), dim=1), torch.full((1, 9), tok.eos_token_id)))
+    mask = torch.ones_like(batch)
+    mask[1, 6:] = 0
+    mask[2] = 0
+    cache = QSinkKVCache(cfg, model.config)
+    with torch.no_grad():
+        out = model(batch, attention_mask=mask, cache=cache, use_cache=True).logits
+        ref_a = model(a, cache=QSinkKVCache(cfg, model.config), use_cache=True).logits
+        ref_b = model(b, cache=QSinkKVCache(cfg, model.config), use_cache=True).logits
+    assert cache.inner.seq_lens().tolist() == [9, 6, 0]
+    assert (out[0] - ref_a[0]).abs().max() < 1e-9
+    assert (out[1, :6] - ref_b[0]).abs().max() < 1e-9
 
 
 def test_portable_mode_limits(lm):

@@ -57,7 +57,8 @@ def test_quantize_values_bit_identical(bits, scale_dtype, tokens, shape, seed):
 
 def test_quantize_int8_odd_group():
     v = torch.randn(5, 9)
-    for a, b in zip(kq.quantize_values(v.to(DEVICE), 8, 3, torch.float16), quant.quantize_values(v, 8, 3, torch.float16)):
+    ref = quant.quantize_values(v, 8, 3, torch.float16)
+    for a, b in zip(kq.quantize_values(v.to(DEVICE), 8, 3, torch.float16), ref):
         assert torch.equal(a.cpu(), b)
 
 
@@ -88,8 +89,7 @@ def filled_layer(cfg, lengths, Hkv, seed=0, rotary=None):
     batch = SinkQuantCache(cfg, 1, len(lengths), Hkv, D, dtype=torch.float32, rotary=rotary, backend="torch").layers[0]
     for name, t in batch.tensors().items():
         t.copy_(torch.cat([s.tensors()[name] for s in singles]))
-    if len(set(lengths)) == 1:
-        batch.seq_len = lengths[0]
+    batch.seq_lens.copy_(torch.tensor(lengths))
     return batch, singles
 
 
@@ -124,16 +124,15 @@ def test_decode_matches_reference(case, rope):
                       residual_tokens=R, positions="cache_index" if rope else "absolute")
     rotary = ROT if rope else None
     layer, singles = filled_layer(cfg, lengths, Hkv, seed=len(lengths), rotary=rotary)
-    seq_lens = torch.tensor(lengths)
     q = torch.randn(len(lengths), Hkv * G, D, generator=torch.Generator().manual_seed(9))
-    ref = decode_attention_reference(q, layer, seq_lens, rotary=rotary)
+    ref = decode_attention_reference(q, layer, rotary=rotary)
     # the batched reference equals each sequence's own reference (per-sequence lengths are honoured)
     for b, single in enumerate(singles):
         own = decode_attention_reference(q[b:b + 1], single, rotary=rotary)
         assert rel_rms(ref[b:b + 1], own) < 1e-6
     dev_layer = on_device(layer)
     for splits in (1, 3):
-        out = decode_attention(q.to(DEVICE), dev_layer, seq_lens.to(DEVICE), rotary=rotary, num_splits=splits).cpu()
+        out = decode_attention(q.to(DEVICE), dev_layer, rotary=rotary, num_splits=splits).cpu()
         assert torch.isfinite(out).all()
         assert rel_rms(out, ref) < KERNEL_TOL, f"splits={splits}: {rel_rms(out, ref):.2e}"
 
@@ -145,11 +144,11 @@ def test_decode_gqa_and_sink_logits(G):
     q = torch.randn(2, 2 * G, D)
     logits = torch.randn(2 * G) * 2
     for sink_logits in (None, logits):
-        ref = decode_attention_reference(q, layer, torch.tensor([23, 11]), sink_logits=sink_logits)
-        out = decode_attention(q.to(DEVICE), on_device(layer), torch.tensor([23, 11], device=DEVICE),
+        ref = decode_attention_reference(q, layer, sink_logits=sink_logits)
+        out = decode_attention(q.to(DEVICE), on_device(layer),
                                sink_logits=None if sink_logits is None else sink_logits.to(DEVICE), num_splits=2)
         assert rel_rms(out.cpu(), ref) < KERNEL_TOL
-    no_logits = decode_attention_reference(q, layer, torch.tensor([23, 11]))
+    no_logits = decode_attention_reference(q, layer)
     assert rel_rms(no_logits, ref) > 1e-3  # the logits do change the output
 
 
@@ -169,8 +168,6 @@ def test_decode_bad_arguments():
     layer = on_device(layer)
     with pytest.raises(ValueError, match=r"q must be \[B=1, H, D=16\] with H a multiple of Hkv=2"):
         decode_attention(torch.randn(1, 3, D, device=DEVICE), layer)
-    with pytest.raises(ValueError, match="seq_lens must be an int tensor of shape"):
-        decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, torch.tensor([1.0, 2.0], device=DEVICE))
     with pytest.raises(ValueError, match=r"sink_logits must be a tensor of shape \[H=2\]"):
         decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, sink_logits=torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
@@ -179,7 +176,8 @@ def test_decode_bad_arguments():
 
 def test_backend_choice():
     cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=2)
-    assert SinkQuantCache(cfg, 1, 1, 1, D, backend="auto", device=DEVICE).backend == ("triton" if DEVICE == "cuda" else "torch")
+    auto = SinkQuantCache(cfg, 1, 1, 1, D, backend="auto", device=DEVICE)
+    assert auto.backend == ("triton" if DEVICE == "cuda" else "torch")
     assert SinkQuantCache(cfg, 1, 1, 1, D, backend="triton", device=DEVICE).backend == "triton"
     with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
         SinkQuantCache(cfg, 1, 1, 1, D, backend="cuda")
@@ -195,11 +193,10 @@ def test_torch_decode_from_codes_matches_reference(case):
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
                       residual_tokens=R)
     layer, _ = filled_layer(cfg, lengths, Hkv, seed=3)
-    seq_lens = torch.tensor(lengths)
     q = torch.randn(len(lengths), Hkv * G, D)
     for logits in (None, torch.randn(Hkv * G)):
-        ref = decode_attention_reference(q, layer, seq_lens, sink_logits=logits)
-        out = decode_attention_torch(q, layer, seq_lens, sink_logits=logits)
+        ref = decode_attention_reference(q, layer, sink_logits=logits)
+        out = decode_attention_torch(q, layer, sink_logits=logits)
         assert rel_rms(out, ref) < 1e-5
 
 
@@ -225,12 +222,12 @@ def test_decode_positions_past_2_31(bits):
     from qsinkkv.decode import decode_attention_torch
     cfg = CacheConfig(sink_tokens=3, recent_tokens=13, bits=bits, block_size=4, value_group_size=8, residual_tokens=2)
     layer = random_storage_layer(cfg, 3, 2, seed=bits)
-    seq_lens = torch.tensor([2**31 + 5, 2**32 + 78, 2**31 - 1])
+    layer.seq_lens.copy_(torch.tensor([2**31 + 5, 2**32 + 78, 2**31 - 1]))
     q = torch.randn(3, 4, D, generator=torch.Generator().manual_seed(1))
-    ref = decode_attention_reference(q, layer, seq_lens)
+    ref = decode_attention_reference(q, layer)
     assert ref.abs().amax() > 0.1
-    assert rel_rms(decode_attention_torch(q, layer, seq_lens), ref) < 1e-5
-    out = decode_attention(q.to(DEVICE), on_device(layer), seq_lens.to(DEVICE), num_splits=2).cpu()
+    assert rel_rms(decode_attention_torch(q, layer), ref) < 1e-5
+    out = decode_attention(q.to(DEVICE), on_device(layer), num_splits=2).cpu()
     assert rel_rms(out, ref) < KERNEL_TOL
 
 
@@ -239,10 +236,8 @@ def test_decode_sink_logits_any_layout():
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
     layer, _ = filled_layer(cfg, [23, 11], 2, seed=5)
     q = torch.randn(2, 6, D)
-    seq_lens = torch.tensor([23, 11])
     for logits in ((torch.randn(12) * 3)[::2], torch.tensor(1.5).expand(6), torch.randn(6, 2)[:, 1]):
         assert not logits.is_contiguous()
-        ref = decode_attention_reference(q, layer, seq_lens, sink_logits=logits.contiguous())
-        out = decode_attention(q.to(DEVICE), on_device(layer), seq_lens.to(DEVICE), sink_logits=logits.to(DEVICE),
-                               num_splits=2)
+        ref = decode_attention_reference(q, layer, sink_logits=logits.contiguous())
+        out = decode_attention(q.to(DEVICE), on_device(layer), sink_logits=logits.to(DEVICE), num_splits=2)
         assert rel_rms(out.cpu(), ref) < KERNEL_TOL

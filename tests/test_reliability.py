@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_errors import assert_unchanged, snapshot
 
-from qsinkkv import CacheConfig, SinkQuantCache, visible_mask
+from qsinkkv import CacheConfig, SinkQuantCache, gather, visible_mask
 
 B, HKV, H, D = 2, 2, 4, 8
 
@@ -19,9 +19,9 @@ def visible_state(cache):
     """What any query can read: per layer, its length and the visible (position, k, v) of each sequence."""
     out = []
     for layer in cache.layers:
-        k, v, pos = layer.gather(torch.float32)
-        n = layer.seq_len
-        seen = visible_mask(torch.full((B, 1), n - 1), pos, cache.config.sink_tokens, cache.config.recent_tokens)[:, 0]
+        k, v, pos = gather(layer, torch.float32)
+        n = layer.seq_lens.clone()
+        seen = visible_mask((n - 1).unsqueeze(1), pos, cache.config.sink_tokens, cache.config.recent_tokens)[:, 0]
         rows = []
         for b in range(B):
             order = torch.argsort(torch.where(seen[b], pos[b], pos[b].max() + 1))[: int(seen[b].sum())]
@@ -32,7 +32,7 @@ def visible_state(cache):
 
 def assert_same_state(a, b):
     for (na, rows_a), (nb, rows_b) in zip(visible_state(a), visible_state(b)):
-        assert na == nb
+        assert torch.equal(na, nb)
         for ra, rb in zip(rows_a, rows_b):
             assert all(torch.equal(x, y) for x, y in zip(ra, rb))
 
@@ -64,12 +64,12 @@ def test_refused_step_rolls_back_every_layer(bits, S, W, bs, R, prefix, T, fail_
                 k[0, 1, :, 2] = -1e6  # finite, but the key zero of every block it completes overflows fp16
             else:
                 q[0, 0, 0, 0] = float("inf")
-            before = a.layers[layer].seq_len
+            before = a.get_seq_length(layer)
             try:
                 a.attend(layer, q, k, v)
             except ValueError:
                 break
-            assert how == "scale_overflow" and a.layers[layer].seq_len == before + T  # no block was completed
+            assert how == "scale_overflow" and a.get_seq_length(layer) == before + T  # no block was completed
             b.attend(layer, q, k, v)
             continue
         a.attend(layer, q, k, v)
@@ -94,7 +94,7 @@ def test_rollback_note_when_a_layer_cannot_be_restored():
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="contains NaN") as err:
         cache.append(1, bad, bad)
-    assert "layers [0] could not be rolled back to 0 tokens" in "\n".join(err.value.__notes__)
+    assert "layers [0] could not be rolled back to the refused step" in "\n".join(err.value.__notes__)
     assert cache.layer_lengths() == [5, 0, 0]
 
 
@@ -150,7 +150,7 @@ def test_minus_inf_sink_logit_means_no_sink(cache):
     for a, b in zip(twin.layers, cache.layers):
         for name, t in a.tensors().items():
             t.copy_(b.tensors()[name])
-        a.seq_len = b.seq_len
+        a.seq_lens.copy_(b.seq_lens)
     without = twin.attend(0, q, k, v)
     with_minus_inf = cache.attend(0, q, k, v, sink_logits=torch.full((H,), float("-inf")))
     torch.testing.assert_close(with_minus_inf, without)
@@ -228,3 +228,27 @@ def test_float32_scale_overflow_does_not_suggest_float32():
         cache.append(0, k, torch.randn(1, 1, 2, D))
     assert "use CacheConfig(scale_dtype=torch.float32)" not in str(err.value)
     assert cache.layer_lengths() == [0]
+
+
+@pytest.mark.parametrize("window_dtype,at", [
+    (torch.float16, 65520.0),                       # 65504 + half an ulp: rounds up to inf
+    (torch.bfloat16, float.fromhex("0x1.ffp+127")),  # bf16 max + half an ulp
+])
+def test_overflow_boundary_is_exact(window_dtype, at):
+    """A decode step checks one peak per tensor against the window dtype's overflow bound: the largest
+    value that still rounds to a finite number is accepted, the next one refused."""
+    cfg = CacheConfig(sink_tokens=1, recent_tokens=6, bits=16, window_dtype=window_dtype)
+    cache = SinkQuantCache(cfg, 1, 1, 1, D, dtype=torch.float32)
+    cache.append(0, torch.randn(1, 1, 2, D), torch.randn(1, 1, 2, D))
+    below = torch.nextafter(torch.tensor(at), torch.tensor(0.0)).item()  # the float32 just under it
+    ok = torch.randn(1, 1, 1, D)
+    ok[0, 0, 0, 1] = -below
+    assert torch.isfinite(ok.to(window_dtype)).all()
+    cache.append(0, ok, ok)
+    snap = snapshot(cache)
+    bad = torch.randn(1, 1, 1, D)
+    bad[0, 0, 0, 1] = at
+    assert not torch.isfinite(bad.to(window_dtype)).all()
+    with pytest.raises(ValueError, match="k contains NaN or Inf, or values that overflow"):
+        cache.append(0, bad, ok)
+    assert_unchanged(cache, snap)

@@ -36,13 +36,15 @@ from ..attention import visible_mask
 from ..cache import SinkQuantCache
 from ..config import CacheConfig
 from ..rope import Rotary, check_rope_type
+from ..storage import gather
 
 SUPPORTED = (Version("5.24.0"), Version("6.0.0"))
 ATTN_IMPLEMENTATION = "qsinkkv"
 _KWARG = "qsinkkv_cache"  # how update() hands the cache to the attention function
 
 if not SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]:
-    raise ImportError(f"qsinkkv.integrations.transformers is tested with transformers >={SUPPORTED[0]},<{SUPPORTED[1]}; "
+    raise ImportError(f"qsinkkv.integrations.transformers is tested with transformers "
+                      f">={SUPPORTED[0]},<{SUPPORTED[1]}; "
                       f"found {transformers.__version__}. pip install 'transformers>={SUPPORTED[0]},<{SUPPORTED[1]}'")
 
 
@@ -75,7 +77,7 @@ class _LayerView(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner: "QSinkKVCache", idx: int):
+    def __init__(self, owner: QSinkKVCache, idx: int):
         super().__init__()
         self.owner, self.idx = owner, idx
 
@@ -129,12 +131,12 @@ class QSinkKVCache(Cache):
         super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
 
     # --- storage ------------------------------------------------------------------------------
-    def _storage(self, key_states: Tensor) -> SinkQuantCache:
+    def _storage(self, key_states: Tensor, layer_idx: int) -> SinkQuantCache:
         B, Hkv, _, D = key_states.shape
         inner = self.inner
-        if inner is not None and not any(inner.layer_lengths()) and (
+        if inner is not None and layer_idx == 0 and (
                 (inner.batch_size, inner.num_kv_heads, inner.head_dim, inner.device, inner.dtype)
-                != (B, Hkv, D, key_states.device, key_states.dtype)):
+                != (B, Hkv, D, key_states.device, key_states.dtype)) and not any(inner.layer_lengths()):
             self.inner = None  # an empty (new or reset) cache takes the next batch's size, device and dtype
         if self.inner is None:
             self.inner = SinkQuantCache(self.config, self.num_layers, B, Hkv, D, device=key_states.device,
@@ -146,15 +148,14 @@ class QSinkKVCache(Cache):
         return getattr(self.model_config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        inner = self._storage(key_states)
+        inner = self._storage(key_states, layer_idx)
         forward_kwargs = kwargs.get("kwargs")
-        if layer_idx == 0:  # a new forward: every layer must hold the same stream
+        if layer_idx == 0 and not inner.in_step():  # a new forward: every layer must hold the same stream
             lengths = inner.layer_lengths()
-            if min(lengths) != max(lengths):
-                raise RuntimeError(
-                    f"qsinkkv: the cache's layers are out of step (they hold {sorted(set(lengths))} tokens): an "
-                    "earlier forward stopped part-way through the layers (an error or interrupt outside the "
-                    f"cache); call cache.crop({min(lengths)}) or cache.reset() before the next forward")
+            raise RuntimeError(
+                f"qsinkkv: the cache's layers are out of step (their longest sequences hold {sorted(set(lengths))} "
+                "tokens): an earlier forward stopped part-way through the layers (an error or interrupt outside "
+                f"the cache); call cache.crop({min(lengths)}) or cache.reset() before the next forward")
         if self.fused:
             if forward_kwargs is None:
                 raise RuntimeError("attn_implementation='qsinkkv' needs a model that calls "
@@ -184,9 +185,8 @@ class QSinkKVCache(Cache):
                              f"{pos.reshape(-1)[:8].tolist()}...: a left-padded prompt (its pads would become sinks); "
                              "drop the padding, or use attn_implementation='qsinkkv'")
         inner.append(layer_idx, k, v)
-        layer = inner.layers[layer_idx]
-        keys, values, pos = layer.gather(k.dtype)
-        n = layer.seq_len
+        keys, values, pos = gather(inner.layers[layer_idx], k.dtype)
+        n = n0 + T
         seen = visible_mask(torch.tensor([n - 1], device=pos.device), pos[0], self.config.sink_tokens,
                             self.config.recent_tokens)[0]
         order = torch.argsort(torch.where(seen, pos[0], pos[0].max() + 1))[: int(seen.sum())]
@@ -260,8 +260,25 @@ def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         pos = pos.unsqueeze(1)  # [B, 1, T]
         query = _unrotate(cache.rotary, query, pos)
         key = _unrotate(cache.rotary, key, pos)
-    out = cache.inner.attend(module.layer_idx, query, key, value, scale=scaling)
+    real = _chunk_mask(attention_mask, query.shape[2])
+    if real is None:  # every token of the chunk is real (decode steps, unpadded prompts)
+        out = cache.inner.attend(module.layer_idx, query, key, value, scale=scaling)
+    else:  # padded: real tokens first in each row (in order), the cache stores lengths[b] of them
+        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)            # [B, T]
+        take = lambda x: x.gather(2, order[:, None, :, None].expand_as(x))  # noqa: E731
+        out = cache.inner.attend(module.layer_idx, take(query), take(key), take(value), real.sum(1), scale=scaling)
+        out = torch.zeros_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _chunk_mask(attention_mask, T: int) -> Tensor | None:
+    """The ``[B, T]`` bool mask of the chunk's real tokens, or None when all are real."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.ndim != 2:
+        raise ValueError("attn_implementation='qsinkkv' takes a 2D padding mask [batch, tokens] (or none), got "
+                         f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}")
+    return attention_mask
 
 
 def _unrotate(rotary: Rotary, x: Tensor, pos: Tensor) -> Tensor:
@@ -269,15 +286,16 @@ def _unrotate(rotary: Rotary, x: Tensor, pos: Tensor) -> Tensor:
     return (rotary.rotate(x.float(), -pos, scaled=False) / rotary.attention_scaling).to(x.dtype)
 
 
-def _refuse_padding(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                    attention_mask=None, **kwargs):
-    """Mask builder for attn_implementation='qsinkkv': the cache applies the sink + window mask
-    itself; a padded batch would make pad tokens sinks, so it is refused."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("qsinkkv: padded batches are not supported (pad tokens would become attention sinks); "
-                         "batch sequences of equal length, or generate them one at a time")
-    return None
+def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, **kwargs):
+    """Mask builder for attn_implementation='qsinkkv': the cache applies the sink + window mask itself
+    and needs only which tokens of this chunk are real (the last ``q_length`` columns of the 2D
+    padding mask): None when all are, so decode steps and unpadded prompts take the plain path."""
+    if attention_mask is None or attention_mask.ndim != 2:
+        return attention_mask  # None, or a prepared 4D mask the attention function refuses by name
+    real = attention_mask[:, -q_length:].to(torch.bool)
+    return None if bool(real.all()) else real
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, qsinkkv_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _refuse_padding)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)

@@ -1,0 +1,73 @@
+"""The op implementations a cache uses, chosen once at construction (never per call).
+
+Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside its fast versions:
+
+  op                 reference                                   fast
+  quantize blocks    qsinkkv.quant                               qsinkkv.kernels.quantize (bit-identical)
+  decode attention   decode.decode_attention_reference           decode.decode_attention_torch (folded, CPU);
+                                                                 qsinkkv.kernels.decode_attention (Triton)
+  prefill attention  prefill.prefill_attention_reference         -
+  write              write.append (uses the chosen quantizer)    -
+
+Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
+-> cache -> integrations/eval.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from . import quant
+from .decode import decode_attention_reference, decode_attention_torch
+from .prefill import prefill_attention_reference
+from .rope import Rotary
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Ops:
+    backend: str          # "torch" or "triton"
+    quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels
+    decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
+    prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
+
+
+def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None) -> Ops:
+    """backend: "torch", "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), or "auto"
+    (Triton on CUDA when it is installed and head_dim % 4 == 0, else torch). ``rotary`` (the
+    ``cache_index`` contract) is bound into the ops here."""
+    backend = resolve_backend(backend, device, head_dim)
+    prefill = functools.partial(prefill_attention_reference, rotary=rotary)
+    if backend == "triton":
+        from . import kernels
+        return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary), prefill)
+    # the folded path needs keys at their final rotation; under cache_index each key turns by its index
+    decode = decode_attention_torch if rotary is None else functools.partial(decode_attention_reference, rotary=rotary)
+    return Ops("torch", quant, decode, prefill)
+
+
+def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    try:
+        import triton  # noqa: F401
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and has_triton and head_dim % 4 == 0 else "torch"
+    if backend == "triton":
+        if not has_triton:
+            raise ValueError("backend='triton' needs the triton package: pip install 'qsinkkv[triton]'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' needs CUDA tensors (device={device}), or TRITON_INTERPRET=1 "
+                             "set before import to run the kernels in Triton's interpreter")
+        if head_dim % 4:
+            raise ValueError(f"backend='triton' needs head_dim % 4 == 0, got head_dim={head_dim}")
+    return backend

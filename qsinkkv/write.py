@@ -1,0 +1,229 @@
+"""The write op: store a ragged chunk of new tokens into a ``LayerStorage``.
+
+Row b of a chunk ``k, v [B, Hkv, T, D]`` holds ``lengths[b]`` new tokens (the rest of the row
+is padding and is never stored); they go to positions ``seq_lens[b] ..``: the first S of a
+sequence to its sinks, the rest to its float ring, and every block that becomes full and
+older than the unquantized tail is quantized (once) into its quantized ring slot. Blocks that
+leave the window before they could be read are never quantized.
+
+Transactional: every block is quantized before anything is written, so a refused block (its
+scale overflows) leaves the storage untouched; and ``append`` returns an ``Undo`` that restores
+the state before it, for a caller that must roll back a step other layers refused. The undo
+copies aside only what the write overwrites that the shorter stream still reads (a quantized
+slot when a block completes, float rows when a long chunk wraps the ring): a plain decode step
+copies nothing.
+
+Rows that share their length and chunk length (every batch of equal lengths) are written in one
+pass; otherwise row by row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .storage import LayerStorage
+
+_QUANT_TENSORS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
+
+
+@dataclass
+class Undo:
+    seq_lens: Tensor                            # [B] before the write
+    saved: list[tuple[Tensor, tuple, Tensor]]  # (storage tensor or row view, index, what it held there)
+
+
+def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quantizer) -> Undo:
+    """Store ``k[b, :, :lengths[b]]`` (and v) after the ``seq_lens[b]`` tokens of every row b.
+
+    quantizer: ``qsinkkv.quant`` or ``qsinkkv.kernels`` (same functions, bit-identical codes).
+    Raises ValueError (storage unchanged) if a block's scale or zero overflows ``scale_dtype``."""
+    before = storage.seq_lens.clone()
+    n0 = before.tolist()
+    if len(set(n0)) == 1 and len(set(lengths)) == 1:
+        parts = [(storage, k[:, :, :lengths[0]], v[:, :, :lengths[0]])] if lengths[0] else []
+    elif max(lengths) == 1:  # a decode step of sequences of different lengths: every row at once
+        return Undo(before, _append_one_token(storage, k, v, [b for b, t in enumerate(lengths) if t], quantizer))
+    else:
+        parts = [(storage.rows(b), k[b:b + 1, :, :t], v[b:b + 1, :, :t]) for b, t in enumerate(lengths) if t]
+    plans = [_plan(s, kk, vv, quantizer) for s, kk, vv in parts]  # may raise: nothing written yet
+    saved = []
+    for plan in plans:
+        saved += _commit(plan)
+    return Undo(before, saved)
+
+
+def undo(storage: LayerStorage, record: Undo) -> None:
+    """Return to the state before the ``append`` that made ``record`` (slots past the old lengths
+    may keep the undone tokens: no query sees them)."""
+    for target, index, old in reversed(record.saved):
+        target[index] = old
+    storage.seq_lens.copy_(record.seq_lens)
+
+
+@dataclass
+class _Plan:
+    """One uniform part of a write (rows that all hold ``n0`` tokens and get ``T`` more), computed
+    and quantized but not yet written."""
+    storage: LayerStorage
+    k: Tensor
+    v: Tensor
+    n0: int
+    n_sink: int
+    m0: int
+    m1: int
+    q0: int
+    q1: int
+    first: int
+    float_k: Tensor | None  # the chunk's tokens that stay unquantized: recent [max(m0, q1*bs), m1), as given
+    float_v: Tensor | None
+    quantized: tuple | None
+
+
+def _plan(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> _Plan:
+    L, cfg = s.layout, s.layout.config
+    bs = cfg.block_size
+    n0, T = int(s.seq_lens[0]), k.shape[2]
+    n_sink = min(max(cfg.sink_tokens - n0, 0), T)
+    m0, m1 = L.recent_count(n0), L.recent_count(n0 + T)
+    q0, q1 = L.quantized_blocks(m0), L.quantized_blocks(m1)
+    # Blocks before `first` are never visible again: neither quantize nor store them.
+    first = max(q0, L.first_kept_block(m1))
+    start, end = first * bs, q1 * bs           # blocks [first, q1) are quantized now: recent [start, end)
+    lo = max(start, m0)                        # the chunk's first recent token that is stored at all
+    recent = [x[:, :, n_sink + lo - m0:] for x in (k, v)] if m1 > lo else None  # tokens [lo, m1)
+    quantized = None
+    if end > start:
+        blocks = []
+        for ring, x in ((s.float_k, recent[0] if recent else None), (s.float_v, recent[1] if recent else None)):
+            parts = [ring[:, :, _float_index(s, start, min(m0, end))]] if start < m0 else []
+            if end > lo:  # window_dtype first: a block is quantized from its window_dtype values
+                parts.append(x[:, :, :end - lo].to(cfg.window_dtype))
+            tokens = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+            B, H, _, D = tokens.shape
+            blocks.append(tokens.reshape(B, H, q1 - first, bs, D))
+        quantized = (quantizer.quantize_key_blocks(blocks[0], cfg.bits, cfg.scale_dtype)
+                     + quantizer.quantize_values(blocks[1], cfg.bits, cfg.value_group_size, cfg.scale_dtype))
+    f0 = max(m0, end)
+    float_k = float_v = None
+    if m1 > f0:
+        float_k, float_v = (x[:, :, f0 - lo:] for x in recent)
+    return _Plan(s, k, v, n0, n_sink, m0, m1, q0, q1, first, float_k, float_v, quantized)
+
+
+def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
+    s, L, cfg = p.storage, p.storage.layout, p.storage.layout.config
+    bs, T = cfg.block_size, p.k.shape[2]
+    saved = []
+    if p.quantized is not None:
+        slots = torch.arange(p.first, p.q1, device=s.device) % L.quant_slots
+        if p.q0 > L.first_kept_block(p.m0):  # the shorter stream's live blocks may share these slots
+            saved += [_save(getattr(s, name), (slice(None), slice(None), slots)) for name in _QUANT_TENSORS]
+        for name, src in zip(_QUANT_TENSORS, p.quantized):
+            getattr(s, name).index_copy_(2, slots, src)
+    if p.n_sink:  # sink slots past the old length: nothing live is overwritten
+        s.sink_k[:, :, p.n0:p.n0 + p.n_sink] = p.k[:, :, :p.n_sink].to(cfg.sink_dtype)
+        s.sink_v[:, :, p.n0:p.n0 + p.n_sink] = p.v[:, :, :p.n_sink].to(cfg.sink_dtype)
+    if p.float_k is not None:
+        n, F = p.float_k.shape[2], L.float_rows
+        r0 = (p.m1 - n) % F
+        rows = slice(r0, r0 + n) if r0 + n <= F else _float_index(s, p.m1 - n, p.m1)  # a slice unless it wraps
+        where = (slice(None), slice(None), rows)
+        if p.m1 - F > p.q0 * bs:  # new rows land on rows holding the shorter stream's float tokens
+            saved += [_save(t, where) for t in (s.float_k, s.float_v)]
+        for ring, x in ((s.float_k, p.float_k), (s.float_v, p.float_v)):
+            if isinstance(rows, slice):
+                ring[where].copy_(x)  # (cast to window_dtype by the copy)
+            else:
+                ring.index_copy_(2, rows, x.to(ring.dtype))
+    s.seq_lens += T  # in place: a row view writes through to the whole storage's lengths
+    return saved
+
+
+def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], quantizer) -> list:
+    """One new token for each sequence in ``rows``, each at its own length, written with one indexed
+    write per tensor (a ragged decode step; row by row would cost a pass per sequence)."""
+    L, cfg = s.layout, s.layout.config
+    S, bs, F, nq = cfg.sink_tokens, cfg.block_size, L.float_rows, max(L.quant_slots, 1)
+    sink_rows, sink_pos, float_rows, float_row = [], [], [], []
+    full_rows, full_block = [], []           # sequences whose new token completes a block that stays visible
+    for b in rows:
+        n = int(s.seq_lens[b])
+        if n < S:
+            sink_rows.append(b)
+            sink_pos.append(n)
+            continue
+        r = n - S                            # the new token's recent index
+        q0, q1 = L.quantized_blocks(r), L.quantized_blocks(r + 1)
+        if r >= q1 * bs:                     # it stays unquantized (else it completes its own block now)
+            float_rows.append(b)
+            float_row.append(r % F)
+        if q1 > max(q0, L.first_kept_block(r + 1)):
+            full_rows.append(b)
+            full_block.append(q1 - 1)
+    dev = s.device
+    idx = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    quantized = None
+    if full_rows:  # read and quantize before writing anything: the new token may share a ring row
+        fr, blk = idx(full_rows), idx(full_block)
+        tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
+        new = tok == (s.seq_lens[full_rows].to(dev) - S).unsqueeze(1)                  # the new token's place
+        blocks = []
+        for ring, x in ((s.float_k, k), (s.float_v, v)):
+            xb = x[fr, :, 0].to(cfg.window_dtype).unsqueeze(1)                          # [n, 1, Hkv, D]
+            if F:  # the block's other tokens are in the float ring (empty when bs == 1 and R == 0: never read)
+                xb = torch.where(new.view(*new.shape, 1, 1), xb, ring[fr.unsqueeze(1), :, tok % F])
+            blocks.append(xb.transpose(1, 2))                                           # [n, Hkv, bs, D]
+        quantized = (quantizer.quantize_key_blocks(blocks[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
+                     + quantizer.quantize_values(blocks[1].unsqueeze(2), cfg.bits, cfg.value_group_size,
+                                                 cfg.scale_dtype))
+    saved = []
+    if full_rows:  # only a completing block's slot and row can hold what the shorter stream reads
+        where_q = (fr, slice(None), blk % nq)
+        saved += [_save(getattr(s, name), where_q) for name in _QUANT_TENSORS]
+        kept = [b for b in full_rows if b in float_rows]
+        if kept:
+            where_f = (idx(kept), slice(None), idx([float_row[float_rows.index(b)] for b in kept]))
+            saved += [_save(t, where_f) for t in (s.float_k, s.float_v)]
+        for name, src in zip(_QUANT_TENSORS, quantized):
+            getattr(s, name)[where_q] = src.squeeze(2)
+    if sink_rows:
+        sr, sp = idx(sink_rows), idx(sink_pos)
+        s.sink_k[sr, :, sp] = k[sr, :, 0].to(cfg.sink_dtype)
+        s.sink_v[sr, :, sp] = v[sr, :, 0].to(cfg.sink_dtype)
+    if float_rows:
+        fr2, row = idx(float_rows), idx(float_row)
+        s.float_k[fr2, :, row] = k[fr2, :, 0].to(cfg.window_dtype)
+        s.float_v[fr2, :, row] = v[fr2, :, 0].to(cfg.window_dtype)
+    s.seq_lens[rows] += 1
+    return saved
+
+
+def _save(t: Tensor, index: tuple) -> tuple[Tensor, tuple, Tensor]:
+    return t, index, t[index].clone()
+
+
+def _float_index(s: LayerStorage, r0: int, r1: int) -> Tensor:
+    """Float-ring rows of recent tokens r0 .. r1-1."""
+    return torch.arange(r0, r1, device=s.device) % s.layout.float_rows
+
+
+# --- forgetting the newest tokens ----------------------------------------------------------------
+
+def crop_refusal(storage: LayerStorage, tokens: list[int]) -> str | None:
+    """Why the newest ``tokens[b]`` tokens of each row cannot be forgotten, or None: the shorter
+    stream's storage must be intact (no block it needs was evicted, none it would hold unquantized
+    was quantized)."""
+    L = storage.layout
+    for b, (n, t) in enumerate(zip(storage.seq_lens.tolist(), tokens)):
+        if not 0 <= t <= n:
+            return f"sequence {b} holds {n} tokens; cannot crop {t}"
+        m, m_new = L.recent_count(n), L.recent_count(n - t)
+        if L.quantized_blocks(m_new) != L.quantized_blocks(m):
+            return (f"cannot crop {t} tokens of sequence {b}: a block they share with older tokens was already "
+                    f"quantized (block_size={L.block_size}, unquantized_tokens={L.unquantized_tokens})")
+        if m > L.recent_tokens and L.first_kept_block(m_new) != L.first_kept_block(m):
+            return (f"cannot crop {t} tokens of sequence {b}: the shorter stream would see tokens that were "
+                    f"already evicted from the window (recent_tokens={L.recent_tokens})")
+    return None

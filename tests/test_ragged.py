@@ -1,0 +1,227 @@
+"""Per-sequence lengths: a sequence in a ragged batch gets the answer it gets alone (and the float64
+oracle's), with its own sinks, window and positions; rows join, finish and leave."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import attention_oracle, bf16_exact, stored_history, visible
+from test_errors import assert_unchanged, snapshot
+
+from qsinkkv import CacheConfig, Rotary, SinkQuantCache, gather, visible_mask
+
+HKV, G, D = 2, 2, 8
+ROT = Rotary.from_schedule(D, base=100.0)
+
+
+def visible_rows(cache, layer=0):
+    """Per sequence: its visible (positions, k, v), sorted by position."""
+    storage = cache.layers[layer]
+    k, v, pos = gather(storage, torch.float32)
+    n = storage.seq_lens
+    seen = visible_mask((n - 1).unsqueeze(1), pos, cache.config.sink_tokens, cache.config.recent_tokens)[:, 0]
+    out = []
+    for b in range(len(n)):
+        order = torch.argsort(torch.where(seen[b], pos[b], pos[b].max() + 1))[: int(seen[b].sum())]
+        out.append((pos[b, order], k[b][:, order], v[b][:, order]))
+    return out
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([16, 8, 4]), S=st.integers(0, 3), W=st.integers(1, 10), bs=st.integers(1, 4),
+       R=st.integers(0, 3), rope=st.booleans(), seed=st.integers(0, 2**31),
+       steps=st.lists(st.tuples(st.integers(1, 7), st.lists(st.integers(0, 7), min_size=3, max_size=3)),
+                      min_size=1, max_size=10))
+def test_ragged_batch_equals_each_sequence_alone_and_the_oracle(bits, S, W, bs, R, rope, seed, steps):
+    """Random schedules of ragged chunks (row b takes lengths[b] <= T tokens; 0 = idle) and decode
+    steps, every block size, bits, residual and both position contracts."""
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=2,
+                      residual_tokens=min(R, W), positions="cache_index" if rope else "absolute")
+    rotary = ROT if rope else None
+    B = 3
+    g = torch.Generator().manual_seed(seed)
+    batch = SinkQuantCache(cfg, 1, B, HKV, D, dtype=torch.float32, rotary=rotary)
+    alone = [SinkQuantCache(cfg, 1, 1, HKV, D, dtype=torch.float32, rotary=rotary) for _ in range(B)]
+    history = [[] for _ in range(B)]  # each row's full-precision (q, k, v) stream
+    steps = steps + [(1, [1, 1, 1])] * 3
+    for T, lens in steps:
+        lens = [min(t, T) for t in lens]
+        q, k, v = (bf16_exact(B, h, T, D, generator=g) for h in (HKV * G, HKV, HKV))
+        out = batch.attend(0, q, k, v, lens)
+        for b, t in enumerate(lens):
+            assert out[b, :, t:].abs().max() == 0 if t < T else True  # padding: output zero
+            if t == 0:
+                continue
+            n0 = alone[b].seq_length
+            own = alone[b].attend(0, q[b:b + 1, :, :t], k[b:b + 1, :, :t], v[b:b + 1, :, :t])
+            assert rel(out[b:b + 1, :, :t], own) < 1e-5
+            history[b].append((q[b:b + 1, :, :t], k[b:b + 1, :, :t], v[b:b + 1, :, :t]))
+            hk = torch.cat([h[1] for h in history[b]], 2)
+            hv = torch.cat([h[2] for h in history[b]], 2)
+            if t == 1:  # decode: attends over what is stored
+                kv = stored_history(hk, hv, n0 + 1, cfg)
+            else:       # prefill: what was stored before + the chunk in full precision
+                prior = stored_history(hk, hv, n0, cfg)
+                kv = (torch.cat((prior[0], hk[:, :, n0:].double()), 2),
+                      torch.cat((prior[1], hv[:, :, n0:].double()), 2))
+            ref = attention_oracle(q[b:b + 1, :, :t], lambda i: kv, S, W, range(n0, n0 + t), rotary)
+            assert rel(out[b:b + 1, :, :t], ref) < 1e-5
+    assert batch.seq_lens().tolist() == [c.seq_length for c in alone]
+    for b, (row, single) in enumerate(zip(visible_rows(batch), alone)):
+        own = visible_rows(single)[0]
+        assert all(torch.equal(x, y) for x, y in zip(row, own)), f"sequence {b}'s storage"
+        assert batch.visible_positions(0, b) == visible(batch.seq_lens()[b].item() - 1, S, W) if \
+            batch.seq_lens()[b] else batch.visible_positions(0, b) == []
+
+
+def run_rows(cfg, B=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return lambda T=1: tuple(torch.randn(B, h, T, D, generator=g) for h in (HKV * G, HKV, HKV))
+
+
+def test_a_finished_row_leaves_and_the_rest_go_on():
+    """select_batch drops a finished row mid-stream; every remaining row still equals its own stream."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=9, bits=4, block_size=3, value_group_size=4)
+    batch = SinkQuantCache(cfg, 2, 3, HKV, D, dtype=torch.float32)
+    alone = [SinkQuantCache(cfg, 2, 1, HKV, D, dtype=torch.float32) for _ in range(3)]
+    rows, draw = [0, 1, 2], run_rows(cfg)
+    for step in range(30):
+        T, lens = (7, [7, 3, 5]) if step == 0 else (1, None)
+        if step == 12:  # row 1 finishes
+            batch.select_batch(torch.tensor([True, False, True]))
+            rows = [0, 2]
+        q, k, v = (x[: len(rows)] for x in draw(T))
+        for layer in range(2):
+            out = batch.attend(layer, q, k, v, lens)
+            for i, b in enumerate(rows):
+                t = T if lens is None else lens[b]
+                own = alone[b].attend(layer, q[i:i + 1, :, :t], k[i:i + 1, :, :t], v[i:i + 1, :, :t])
+                assert rel(out[i:i + 1, :, :t], own) < 1e-5
+    assert batch.seq_lens().tolist() == [alone[0].seq_length, alone[2].seq_length]
+
+
+def test_reset_one_row_for_a_new_sequence():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=8, block_size=2, value_group_size=4)
+    batch = SinkQuantCache(cfg, 1, 2, HKV, D, dtype=torch.float32)
+    draw = run_rows(cfg, B=2)
+    batch.attend(0, *draw(11))
+    batch.reset([1])
+    assert batch.seq_lens().tolist() == [11, 0]
+    fresh = SinkQuantCache(cfg, 1, 1, HKV, D, dtype=torch.float32)
+    q, k, v = draw(5)
+    out = batch.attend(0, q, k, v, [0, 5])  # row 0 idles while row 1 takes its prompt
+    torch.testing.assert_close(out[1:], fresh.attend(0, q[1:], k[1:], v[1:]), rtol=1e-5, atol=1e-6)
+    assert out[0].abs().max() == 0
+    assert batch.seq_lens().tolist() == [11, 5]
+
+
+def test_crop_per_sequence():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=4, block_size=4, value_group_size=4)
+    batch = SinkQuantCache(cfg, 2, 2, HKV, D, dtype=torch.float32)
+    draw = run_rows(cfg, B=2)
+    for layer in range(2):
+        batch.append(layer, *draw(9)[1:], [9, 4])
+    batch.crop([1, 2])
+    assert batch.seq_lens(1).tolist() == [8, 2]
+    snap = snapshot(batch)
+    with pytest.raises(ValueError, match="sequence 0: a block they share with older tokens was already quantized"):
+        batch.crop([4, 0])
+    with pytest.raises(ValueError, match="sequence 1 holds 2 tokens; cannot crop 3"):
+        batch.crop([0, 3])
+    with pytest.raises(ValueError, match="tokens must be an int or 2 ints"):
+        batch.crop([1.5, 1])
+    assert_unchanged(batch, snap)
+
+
+@pytest.mark.parametrize("lengths,msg", [
+    ([1, 2], r"lengths must be a 1-D int tensor \(or list\) of B=3 counts in \[0, T=4\]"),
+    ([1, 2, 5], r"got \[1, 2, 5\]"),
+    ([1, -1, 2], r"got \[1, -1, 2\]"),
+    (torch.tensor([1.0, 2.0, 3.0]), "got torch.float32"),
+    (torch.tensor([True, False, True]), "got torch.bool"),
+    ("abc", "lengths must be"),
+])
+def test_bad_lengths_change_nothing(lengths, msg):
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=4)
+    cache = SinkQuantCache(cfg, 1, 3, HKV, D, dtype=torch.float32)
+    draw = run_rows(cfg)
+    cache.append(0, *draw(5)[1:], [5, 2, 0])
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=msg):
+        cache.attend(0, *draw(4), lengths)
+    assert_unchanged(cache, snap)
+
+
+def test_nan_in_padding_is_not_refused_nan_in_a_real_token_is():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=4)
+    cache = SinkQuantCache(cfg, 1, 2, HKV, D, dtype=torch.float32)
+    q, k, v = run_rows(cfg, B=2)(4)
+    k[1, :, 3] = float("nan")  # row 1 holds 2 tokens: its slot 3 is padding, never stored
+    q[1, :, 3] = float("nan")
+    out = cache.attend(0, q, k, v, [4, 2])
+    assert torch.isfinite(out).all()
+    snap = snapshot(cache)
+    k[1, 0, 1, 0] = float("inf")
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        cache.attend(0, q, k, v, [4, 2])
+    assert_unchanged(cache, snap)
+
+
+def test_visible_positions_per_sequence():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=4, bits=16)
+    cache = SinkQuantCache(cfg, 1, 2, 1, D, dtype=torch.float32)
+    cache.append(0, torch.randn(2, 1, 10, D), torch.randn(2, 1, 10, D), [10, 7])
+    assert cache.visible_positions(0, 0) == [0, 1, 6, 7, 8, 9]
+    assert cache.visible_positions(0, 1) == [0, 1, 3, 4, 5, 6]
+    with pytest.raises(IndexError, match=r"seq must be an int in \[0, 2\)"):
+        cache.visible_positions(0, 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([16, 8, 4]), S=st.integers(0, 3), W=st.integers(1, 10), bs=st.integers(1, 4),
+       R=st.integers(0, 3), prompts=st.lists(st.integers(0, 12), min_size=3, max_size=3),
+       decode_steps=st.integers(0, 6), T=st.sampled_from([1, 1, 3]), fail_layer=st.integers(0, 2),
+       how=st.sampled_from(["nan", "scale_overflow"]), seed=st.integers(0, 2**31))
+def test_refused_ragged_step_rolls_back(bits, S, W, bs, R, prompts, decode_steps, T, fail_layer, how, seed):
+    """Sequences of different lengths (decode steps take the one-pass ragged write); a step refused in
+    one layer leaves every layer as a twin cache that never saw it, and both go on identically."""
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=2,
+                      residual_tokens=min(R, W))
+    B = 3
+    g = torch.Generator().manual_seed(seed)
+    a, b = (SinkQuantCache(cfg, 3, B, HKV, D, dtype=torch.float32) for _ in range(2))
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    width = max(max(prompts), 1)
+    steps = [(width, prompts)] + [(1, None)] * decode_steps
+    for n, lens in steps:
+        for layer in range(3):
+            q, k, v = rnd(B, HKV * G, n, D), rnd(B, HKV, n, D), rnd(B, HKV, n, D)
+            assert torch.equal(a.attend(layer, q, k, v, lens), b.attend(layer, q, k, v, lens))
+    lens = [T, 1, 0] if T > 1 else None
+    for layer in range(3):
+        q, k, v = rnd(B, HKV * G, T, D), rnd(B, HKV, T, D), rnd(B, HKV, T, D)
+        if layer == fail_layer:
+            if how == "nan":
+                k[1, 0, 0, 3] = float("nan")
+            else:
+                k[0, 1, :, 2] = -1e6
+            try:
+                a.attend(layer, q, k, v, lens)
+            except ValueError:
+                break
+            b.attend(layer, q, k, v, lens)  # nothing refused: the huge key completed no block
+            continue
+        a.attend(layer, q, k, v, lens)
+    else:
+        return
+    assert a.in_step() and torch.equal(a.seq_lens(), b.seq_lens())
+    for layer in range(3):
+        for x, y in zip(visible_rows(a, layer), visible_rows(b, layer)):
+            assert all(torch.equal(s, t) for s, t in zip(x, y))
+    for _ in range(3):
+        for layer in range(3):
+            q, k, v = rnd(B, HKV * G, 1, D), rnd(B, HKV, 1, D), rnd(B, HKV, 1, D)
+            assert torch.equal(a.attend(layer, q, k, v), b.attend(layer, q, k, v))

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo test memory bench-decode bench-generate stream gpu-check
+.PHONY: install demo test memory bench-decode bench-generate bench-prefill stream gpu-check
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -27,6 +27,9 @@ bench-decode: install
 
 bench-generate: install
 	$(PYTHON) benchmarks/generate.py
+
+bench-prefill: install
+	$(PYTHON) benchmarks/prefill.py
 
 stream: install
 	$(PYTHON) examples/stream_generate.py

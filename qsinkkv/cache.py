@@ -327,11 +327,12 @@ class SinkQuantCache:
         named = {"k": (k, window), "v": (v, window)}
         if q is not None:
             named["q"] = (q, math.inf)
-        peaks = [torch.linalg.vector_norm(x, float("inf"), dtype=torch.float64) for x, _ in named.values()]
+        # max |x| is one of x's own values: exact in x's dtype (q, k, v share the cache dtype)
+        peaks = torch.stack([torch.linalg.vector_norm(x, float("inf")) for x, _ in named.values()]).tolist()
+        ok = {name: p < bound for (name, (_, bound)), p in zip(named.items(), peaks)}
         if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
-            named["sink_logits"] = (None, math.inf)
-            peaks.append(torch.amax(sink_logits).double())
-        return {name: p < bound for (name, (_, bound)), p in zip(named.items(), torch.stack(peaks).tolist())}
+            ok["sink_logits"] = torch.amax(sink_logits).item() < math.inf
+        return ok
 
     def _storable(self, layer: int, x: Tensor, real: Tensor | None) -> Tensor:
         """0-dim bool: the tokens of ``x`` that will be stored stay finite once cast to the dtype they

@@ -45,20 +45,22 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
     scores = [layer.sink_k.float() @ qT]                                        # [B, Hkv, S, G]
     if nq:
         qsT = qT.unsqueeze(2) * layer.key_scale.float().unsqueeze(-1)           # [B, Hkv, nq, D, G]
-        s_q = (layer.key_zero.float() @ qT).unsqueeze(3)                        # [B, Hkv, nq, 1, G]
-        for c, qc in zip(_split_codes(layer.key_codes, cfg.bits), _split_channels(qsT, cfg.bits)):
-            s_q = s_q + c @ qc                                                  # [B, Hkv, nq, bs, G]
+        planes = list(zip(_split_codes(layer.key_codes, cfg.bits, "key"), _split_channels(qsT, cfg.bits)))
+        s_q = planes[0][0] @ planes[0][1]                                       # [B, Hkv, nq, bs, G]
+        s_q += (layer.key_zero.float() @ qT).unsqueeze(3)
+        for c, qc in planes[1:]:  # accumulate in place: one [.., bs, G] buffer for every plane
+            s_q.view(-1, bs, G).baddbmm_(c.view(-1, bs, c.shape[-1]), qc.reshape(-1, *qc.shape[-2:]))
         scores.append(s_q.flatten(2, 3))
     scores.append(layer.float_k.float() @ qT)                                   # [B, Hkv, F, G]
-    scores = torch.cat(scores, dim=2)                                           # [B, Hkv, N, G]
+    # softmax along the last, contiguous axis: [B, Hkv, G, N]
+    scores = torch.cat(scores, dim=2).transpose(-1, -2).contiguous()
     seen = layer.layout.visible_slots(layer.seq_lens, q.device)                 # [B, N]
-    scores = scores.masked_fill(~seen.view(B, 1, -1, 1), float("-inf"))
+    scores.masked_fill_(~seen.view(B, 1, 1, -1), float("-inf"))
     if sink_logits is None:
-        p = torch.softmax(scores, dim=2)
+        pT = torch.softmax(scores, dim=-1)                                      # [B, Hkv, G, N]
     else:
-        s = sink_logits.float().view(1, Hkv, 1, G).expand(B, Hkv, 1, G)
-        p = torch.softmax(torch.cat((scores, s), dim=2), dim=2)[:, :, :-1]
-    pT = p.transpose(-1, -2)                                                    # [B, Hkv, G, N]
+        s = sink_logits.float().view(1, Hkv, G, 1).expand(B, Hkv, G, 1)
+        pT = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
     out = pT[..., :S] @ layer.sink_v.float() + pT[..., S + nq * bs:] @ layer.float_v.float()
     if nq:
         gs = cfg.value_group_size
@@ -67,22 +69,40 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
         v_scale = layer.value_scale.float().flatten(2, 3)                       # [B, Hkv, Nq, ng]
         v_zero = layer.value_zero.float().flatten(2, 3)
         bias = p_q @ v_zero                                                     # [B, Hkv, G, ng]
-        codes = [c.flatten(2, 3).unflatten(-1, (ng, -1)) for c in _split_codes(layer.value_codes, cfg.bits)]
+        codes = [c.flatten(2, 3).unflatten(-1, (ng, -1)) for c in _split_codes(layer.value_codes, cfg.bits, "value")]
         parts = []                                                              # per group: [B, Hkv, G, gs]
         for n in range(ng):
             ps = p_q * v_scale[..., n].unsqueeze(2)                             # [B, Hkv, G, Nq]
             planes = [ps @ c[..., n, :] for c in codes]                         # [B, Hkv, G, gs / k] each
             part = torch.stack(planes, dim=-1).flatten(-2) if len(planes) == 2 else planes[0]
-            parts.append(part + bias[..., n:n + 1])
-        out = out + (torch.cat(parts, dim=-1) if ng > 1 else parts[0])
+            parts.append(part.add_(bias[..., n:n + 1]))
+        out += torch.cat(parts, dim=-1) if ng > 1 else parts[0]
     return out.reshape(B, Hkv * G, D).to(q.dtype)
 
 
-def _split_codes(codes: Tensor, bits: int) -> list[Tensor]:
-    """float codes: int8 as one tensor; int4 as (even channels, odd channels)."""
-    if bits == 4:
-        return [(codes & 0xF).float(), (codes >> 4).float()]
-    return [codes.float()]
+def _split_codes(codes: Tensor, bits: int, role: str) -> list[Tensor]:
+    """float codes: int8 as one tensor; int4 as (even channels, odd channels). Written into
+    workspace buffers that live across calls: a window's worth of float codes allocated afresh at
+    every layer of every step costs more in page faults than the conversion itself."""
+    shape, dev = codes.shape, codes.device
+    if bits != 4:
+        return [_workspace((role, "f0"), shape, torch.float32, dev).copy_(codes)]
+    lo = torch.bitwise_and(codes, 0xF, out=_workspace((role, "u0"), shape, torch.uint8, dev))
+    hi = torch.bitwise_right_shift(codes, 4, out=_workspace((role, "u1"), shape, torch.uint8, dev))
+    return [_workspace((role, "f0"), shape, torch.float32, dev).copy_(lo),
+            _workspace((role, "f1"), shape, torch.float32, dev).copy_(hi)]
+
+
+_WORKSPACE: dict = {}
+
+
+def _workspace(name: tuple, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A buffer reused across calls (one per name; reallocated when the shape changes)."""
+    key = (name, dtype, device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.shape != shape:
+        _WORKSPACE[key] = buf = torch.empty(shape, dtype=dtype, device=device)
+    return buf
 
 
 def _split_channels(x: Tensor, bits: int) -> list[Tensor]:

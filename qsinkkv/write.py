@@ -14,7 +14,8 @@ slot when a block completes, float rows when a long chunk wraps the ring): a pla
 copies nothing.
 
 Rows that share their length and chunk length (every batch of equal lengths) are written in one
-pass; otherwise row by row.
+pass; a decode step of rows at different lengths (a left-padded ``generate``) in one indexed
+write per tensor; any other ragged chunk row by row.
 """
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
     Raises ValueError (storage unchanged) if a block's scale or zero overflows ``scale_dtype``."""
     before = storage.seq_lens.clone()
     n0 = before.tolist()
+    if k.shape[2] == 1 and min(lengths) == 1 and len(set(n0)) == 1 and _stays_float(storage.layout, n0[0]):
+        # the common decode step: one token per row into the float ring, no block completes, nothing
+        # the shorter stream reads is overwritten (the row held a token already quantized or empty)
+        row = (n0[0] - storage.layout.sink_tokens) % storage.layout.float_rows
+        storage.float_k[:, :, row].copy_(k[:, :, 0])
+        storage.float_v[:, :, row].copy_(v[:, :, 0])
+        storage.seq_lens += 1
+        return Undo(before, [])
     if len(set(n0)) == 1 and len(set(lengths)) == 1:
         parts = [(storage, k[:, :, :lengths[0]], v[:, :, :lengths[0]])] if lengths[0] else []
     elif max(lengths) == 1:  # a decode step of sequences of different lengths: every row at once
@@ -198,6 +207,13 @@ def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], qu
         s.float_v[fr2, :, row] = v[fr2, :, 0].to(cfg.window_dtype)
     s.seq_lens[rows] += 1
     return saved
+
+
+def _stays_float(L, n: int) -> bool:
+    """Does the token at position n go to the float ring and complete no block?"""
+    r = n - L.sink_tokens
+    q = L.quantized_blocks(r + 1)
+    return r >= 0 and q == L.quantized_blocks(r) and r >= q * L.block_size
 
 
 def _save(t: Tensor, index: tuple) -> tuple[Tensor, tuple, Tensor]:

@@ -1,6 +1,8 @@
 """The transformers integration on the real default model (SmolLM2-135M-Instruct, float32, CPU)."""
 import copy
+import os
 import pydoc_data.topics
+from pathlib import Path
 
 import pytest
 import torch
@@ -379,3 +381,39 @@ def test_reset_takes_a_new_batch_size(lm):
         got = model.generate(prompts, cache=cache, max_new_tokens=20, do_sample=False)
         ref = model.generate(prompts, cache=QSinkKVCache(cfg, model.config), max_new_tokens=20, do_sample=False)
     assert torch.equal(got, ref)
+
+
+# --- tensor parallel ------------------------------------------------------------------------------
+
+def test_tensor_parallel_three_ranks_equal_one_process(tmp_path):
+    """torchrun, 3 ranks on CPU (gloo), the default model sharded with tp_plan="auto": each rank's
+    cache holds 1 of the 3 KV heads (a third of the bytes), and a lossless stream past the capacity
+    gives the tokens of one process; every rank exits cleanly."""
+    import json
+    import subprocess
+    import sys
+    script = [str(Path(__file__).parents[1] / "examples" / "tp_generate.py"), "--bits", "16", "--tokens", "40"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, *script, "--json", str(tmp_path / "one.json")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    tp = subprocess.run([*torchrun, *script, "--json", str(tmp_path / "tp.json")], env=env, capture_output=True,
+                        text=True, timeout=600)
+    assert tp.returncode == 0, tp.stderr[-2000:]
+    assert "terminate called" not in tp.stderr
+    one, tp = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "tp"))
+    assert tp["world"] == 3 and tp["tokens"] == one["tokens"]
+    assert [r["kv_heads"] for r in tp["ranks"]] == [1, 1, 1] and one["ranks"][0]["kv_heads"] == 3
+    assert [3 * r["bytes"] for r in tp["ranks"]] == [one["ranks"][0]["bytes"]] * 3
+
+
+def test_tensor_parallel_degree_must_divide_the_kv_heads(lm):
+    model, _, _ = lm
+
+    class Sharded(torch.nn.Module):  # what from_pretrained(tp_plan="auto") gives on 4 ranks
+        config, tp_size = model.config, 4
+
+    with pytest.raises(ValueError, match="tp_size=4 ranks but has num_key_value_heads=3"):
+        QSinkKVCache(CacheConfig(), Sharded())
+    QSinkKVCache(CacheConfig(), model)  # tp_size None: one process

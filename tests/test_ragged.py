@@ -225,3 +225,23 @@ def test_refused_ragged_step_rolls_back(bits, S, W, bs, R, prompts, decode_steps
         for layer in range(3):
             q, k, v = rnd(B, HKV * G, 1, D), rnd(B, HKV, 1, D), rnd(B, HKV, 1, D)
             assert torch.equal(a.attend(layer, q, k, v), b.attend(layer, q, k, v))
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["absolute", "cache_index"])
+def test_long_prefill_reads_only_what_each_tile_sees(rope):
+    """A prefill of 700 tokens (3 query tiles of 256) with W = 100: each tile reads the stored slots,
+    the chunk's sinks and the W keys before it; rows start at different lengths, so the chunk holds
+    sinks for one row and not the other. Equal to the float64 oracle."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=100, bits=16, sink_dtype=torch.float32,
+                      window_dtype=torch.float32, positions="cache_index" if rope else "absolute")
+    rotary = ROT if rope else None
+    g = torch.Generator().manual_seed(4)
+    cache = SinkQuantCache(cfg, 1, 2, HKV, D, dtype=torch.float32, rotary=rotary)
+    k, v, q = (torch.randn(2, h, 702, D, generator=g) for h in (HKV, HKV, HKV * G))
+    cache.append(0, k[:, :, :2], v[:, :, :2], [0, 2])                      # row 1 holds 2 tokens, row 0 none
+    chunk = [torch.cat((x[:1, :, :700], x[1:, :, 2:702])) for x in (q, k, v)]
+    out = cache.attend(0, *chunk, [700, 650])
+    for b, (n0, t) in enumerate(((0, 700), (2, 650))):
+        ref = attention_oracle(q[b:b + 1, :, n0:n0 + t], lambda i: (k[b:b + 1].double(), v[b:b + 1].double()),
+                               3, 100, range(n0, n0 + t), rotary)
+        assert rel(out[b:b + 1, :, :t], ref) < 1e-5

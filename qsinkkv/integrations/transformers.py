@@ -100,9 +100,12 @@ class _LayerView(CacheLayerMixin):
 class QSinkKVCache(Cache):
     """A ``transformers.Cache`` holding bf16 sinks and an int8/int4 recent window per layer.
 
-    ``QSinkKVCache(config: CacheConfig, model_config, backend="auto")``. Storage is allocated
-    at the first update (batch size, device and dtype are taken from the model's K/V) and
-    never grows; ``nbytes()`` reports it. ``get_seq_length()`` counts every token seen.
+    ``QSinkKVCache(config: CacheConfig, model_config, backend="auto")``. ``model_config`` is
+    ``model.config``, or the model itself, which also checks its tensor-parallel degree: each
+    rank must hold whole KV heads. Storage is allocated at the first update (batch size, KV
+    heads, device and dtype are taken from the model's K/V, so under tensor parallelism each
+    rank holds its own heads) and never grows; ``nbytes()`` reports it. ``get_seq_length()``
+    is the longest row's length (a left-padded batch's width).
     """
 
     is_compileable = False
@@ -110,6 +113,10 @@ class QSinkKVCache(Cache):
     def __init__(self, config: CacheConfig, model_config, backend: str = "auto"):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a qsinkkv CacheConfig, got {type(config).__name__}")
+        tp_size = 1
+        if isinstance(model_config, torch.nn.Module):  # the model itself: its tensor-parallel degree is checked too
+            tp_size = getattr(model_config, "tp_size", None) or 1
+            model_config = model_config.config
         if not hasattr(model_config, "get_text_config"):
             raise TypeError(f"model_config must be a transformers PretrainedConfig (model.config), "
                             f"got {type(model_config).__name__}")
@@ -124,6 +131,10 @@ class QSinkKVCache(Cache):
             raise ValueError(f"model has layer types {sorted(set(layer_types))}: trained sliding-window or linear "
                              "attention layers are not supported, only full attention")
         config.check_head_dim(_head_dim(text))
+        if text.num_key_value_heads % tp_size:
+            raise ValueError(f"the model is sharded over tp_size={tp_size} ranks but has num_key_value_heads="
+                             f"{text.num_key_value_heads}: each rank must hold whole KV heads (and its cache their "
+                             f"storage); use a tensor-parallel degree that divides {text.num_key_value_heads}")
         self.config, self.model_config, self.backend = config, model_config, backend
         self.rotary = rotary_from_config(text) if config.positions == "cache_index" else None
         self.num_layers = text.num_hidden_layers

@@ -1,0 +1,144 @@
+"""Offline codegen check of the Triton decode kernel for the H200 (sm_90a), no GPU needed.
+
+    python benchmarks/kernel_sass.py [--dims 128 64] [--bits 16 8 4] [--warps 4] [--sass-dir out/sass]
+
+Compiles ``_decode_kernel`` for ``GPUTarget("cuda", 90, 32)`` on this machine (Triton ships
+ptxas and cuobjdump), then reads the cubin: registers, stack (spill) bytes, and the SASS of the
+main loop (the largest loop: one block of BS tokens of the recent window per iteration). A
+loop holds the quantized path and the float path (filling block) behind one branch; the walk
+below follows each side and reports the quantized one for int8/int4 (the one that converts
+codes: more I2F instructions) and the float one for bf16.
+
+The yardstick (design sheet): an H200 issues ~132 SMs x 4 schedulers x 1.98 GHz = 1.05e12
+warp-instructions/s against ~4.3e12 B/s of HBM, so a loop at <= ~0.24 warp-instructions per
+KV byte (instructions x warps / bytes one iteration streams) can run at full bandwidth; one
+at 1.0 cannot. Not part of CI: Triton's NVIDIA backend must be importable (it is on x86 Linux).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the caller's environment says
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+H200_BOUND = 0.24  # warp-instructions per byte at full HBM bandwidth
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int):
+    mod = importlib.import_module("qsinkkv.kernels.decode_attention")
+    f = "*bf16"
+    sig = dict(q_ptr=f, sink_k_ptr=f, sink_v_ptr=f, float_k_ptr=f, float_v_ptr=f, key_codes_ptr="*u8",
+               key_scale_ptr="*fp16", key_zero_ptr="*fp16", value_codes_ptr="*u8", value_scale_ptr="*fp16",
+               value_zero_ptr="*fp16", seq_lens_ptr="*i64", inv_freq_ptr="*fp32", part_acc_ptr="*fp32",
+               part_ml_ptr="*fp32", qk_scale="fp32", H_KV="i32", G="i32", D="i32", S="i32", W="i32", R="i32",
+               NQ="i32", F="i32", BLOCKS_PER_SPLIT="i32")
+    const = dict(BS=block, BITS=bits, GROUP=group if bits != 16 else 1, SPLITS=4, BLOCK_G=16,
+                 BLOCK_DH=max(16, triton.next_power_of_2(head_dim // 2)),
+                 BLOCK_T=max(16, triton.next_power_of_2(block)), BLOCK_S=16, ROPE=False, DOT_PRECISION="tf32")
+    sig.update({k: "constexpr" for k in const})
+    return triton.compile(ASTSource(mod._decode_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(BIN / "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTR.match, sass.splitlines()) if m]
+
+
+def _target(text: str) -> int | None:
+    m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+    return int(m.group(1), 16) if m else None
+
+
+def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
+    """(first, last) addresses of the largest loop: a backward branch and its target."""
+    loops = [(t, a) for a, text in ins if (t := _target(text)) is not None and t < a]
+    return max(loops, key=lambda lo_hi: sum(lo_hi[0] <= a <= lo_hi[1] for a, _ in ins))
+
+
+def walk(ins: list[tuple[int, str]], first: int, last: int, take_first_branch: bool) -> list[str]:
+    """One path through the loop body: conditional forward branches fall through, except the first
+    one when ``take_first_branch``; unconditional ones are followed."""
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    i, path, taken = at[first], [], False
+    while i < len(ins) and ins[i][0] <= last and len(path) < 100_000:
+        a, text = ins[i]
+        path.append(text)
+        t = _target(text)
+        if t is not None and first < t <= last and t > a:
+            if not text.startswith("@") or (take_first_branch and not taken):
+                taken = taken or text.startswith("@")
+                i = at[t]
+                continue
+            taken = True
+        i += 1
+    return path
+
+
+def kv_bytes_per_block(bits: int, head_dim: int, block: int, group: int) -> int:
+    if bits == 16:
+        return 2 * block * head_dim * 2                           # K and V, bf16
+    codes = 2 * block * head_dim * bits // 8
+    key_stats = 2 * head_dim * 2                                  # scale + zero per channel, fp16
+    value_stats = 2 * block * (head_dim // group) * 2             # scale + zero per token and group
+    return codes + key_stats + value_stats
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dims", nargs="+", type=int, default=[128, 64])
+    ap.add_argument("--bits", nargs="+", type=int, default=[16, 8, 4])
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--sass-dir", help="also write each kernel's SASS here")
+    a = ap.parse_args()
+    print(f"# _decode_kernel for sm_90a (triton {triton.__version__}), block {a.block}, group {a.group}, "
+          f"{a.warps} warps, {a.stages} stages; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
+    print("| D | bits | regs | stack (spill) bytes | loop instr | path instr | LDL+STL in path | KV bytes/iter "
+          "| warp-instr/byte |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for D in a.dims:
+        for bits in a.bits:
+            k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages)
+            res = cuobjdump(k.asm["cubin"], "-res-usage")
+            regs = int(re.search(r"REG:(\d+)", res).group(1))
+            stack = int(re.search(r"STACK:(\d+)", res).group(1))
+            sass = cuobjdump(k.asm["cubin"], "-sass")
+            if a.sass_dir:
+                Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
+                (Path(a.sass_dir) / f"decode_d{D}_int{bits}.sass").write_text(sass)
+            ins = instructions(sass)
+            first, last = main_loop(ins)
+            loop = sum(first <= addr <= last for addr, _ in ins)
+            paths = [walk(ins, first, last, taken) for taken in (False, True)]
+            converts = [sum("I2F" in t for t in p) for p in paths]
+            path = paths[converts.index(max(converts))] if bits != 16 else min(paths, key=len)
+            spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
+            nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
+            per_byte = len(path) * a.warps / nbytes
+            print(f"| {D} | {bits} | {regs} | {stack} | {loop} | {len(path)} | {spills} | {nbytes:,} | "
+                  f"{per_byte:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

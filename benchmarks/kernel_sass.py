@@ -35,7 +35,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
-def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int):
+def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, fold: bool):
     mod = importlib.import_module("qsinkkv.kernels.decode_attention")
     f = "*bf16"
     sig = dict(q_ptr=f, sink_k_ptr=f, sink_v_ptr=f, float_k_ptr=f, float_v_ptr=f, key_codes_ptr="*u8",
@@ -43,9 +43,10 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
                value_zero_ptr="*fp16", seq_lens_ptr="*i64", inv_freq_ptr="*fp32", part_acc_ptr="*fp32",
                part_ml_ptr="*fp32", qk_scale="fp32", H_KV="i32", G="i32", D="i32", S="i32", W="i32", R="i32",
                NQ="i32", F="i32", BLOCKS_PER_SPLIT="i32")
-    const = dict(BS=block, BITS=bits, GROUP=group if bits != 16 else 1, SPLITS=4, BLOCK_G=16,
-                 BLOCK_DH=max(16, triton.next_power_of_2(head_dim // 2)),
-                 BLOCK_T=max(16, triton.next_power_of_2(block)), BLOCK_S=16, ROPE=False, DOT_PRECISION="tf32")
+    from qsinkkv import CacheConfig
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=4092, bits=bits, block_size=block, value_group_size=group)
+    const = mod.decode_constexprs(cfg, head_dim, group_heads=4, splits=4, rope=False, interpret=False,
+                                  fold_values=fold)
     sig.update({k: "constexpr" for k in const})
     return triton.compile(ASTSource(mod._decode_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
@@ -114,30 +115,30 @@ def main():
     a = ap.parse_args()
     print(f"# _decode_kernel for sm_90a (triton {triton.__version__}), block {a.block}, group {a.group}, "
           f"{a.warps} warps, {a.stages} stages; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
-    print("| D | bits | regs | stack (spill) bytes | loop instr | path instr | LDL+STL in path | KV bytes/iter "
-          "| warp-instr/byte |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for D in a.dims:
-        for bits in a.bits:
-            k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages)
-            res = cuobjdump(k.asm["cubin"], "-res-usage")
-            regs = int(re.search(r"REG:(\d+)", res).group(1))
-            stack = int(re.search(r"STACK:(\d+)", res).group(1))
-            sass = cuobjdump(k.asm["cubin"], "-sass")
-            if a.sass_dir:
-                Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
-                (Path(a.sass_dir) / f"decode_d{D}_int{bits}.sass").write_text(sass)
-            ins = instructions(sass)
-            first, last = main_loop(ins)
-            loop = sum(first <= addr <= last for addr, _ in ins)
-            paths = [walk(ins, first, last, taken) for taken in (False, True)]
-            converts = [sum("I2F" in t for t in p) for p in paths]
-            path = paths[converts.index(max(converts))] if bits != 16 else min(paths, key=len)
-            spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
-            nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
-            per_byte = len(path) * a.warps / nbytes
-            print(f"| {D} | {bits} | {regs} | {stack} | {loop} | {len(path)} | {spills} | {nbytes:,} | "
-                  f"{per_byte:.2f} |", flush=True)
+    print("| D | bits | values | regs | stack (spill) bytes | loop instr | path instr | LDL+STL in path "
+          "| KV bytes/iter | warp-instr/byte |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for D, bits, fold in [(D, b, f) for D in a.dims for b in a.bits for f in ((False, True) if b != 16 else (False,))]:
+        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, fold)
+        res = cuobjdump(k.asm["cubin"], "-res-usage")
+        regs = int(re.search(r"REG:(\d+)", res).group(1))
+        stack = int(re.search(r"STACK:(\d+)", res).group(1))
+        sass = cuobjdump(k.asm["cubin"], "-sass")
+        if a.sass_dir:
+            Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
+            (Path(a.sass_dir) / f"decode_d{D}_int{bits}{'_folded' if fold else ''}.sass").write_text(sass)
+        ins = instructions(sass)
+        first, last = main_loop(ins)
+        loop = sum(first <= addr <= last for addr, _ in ins)
+        paths = [walk(ins, first, last, taken) for taken in (False, True)]
+        converts = [sum("I2F" in t for t in p) for p in paths]
+        path = paths[converts.index(max(converts))] if bits != 16 else min(paths, key=len)
+        spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
+        nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
+        per_byte = len(path) * a.warps / nbytes
+        values = "-" if bits == 16 else ("folded" if fold else "dequantized")
+        print(f"| {D} | {bits} | {values} | {regs} | {stack} | {loop} | {len(path)} | {spills} | {nbytes:,} | "
+              f"{per_byte:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

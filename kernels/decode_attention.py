@@ -36,6 +36,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Tests set this to fill the partial-state workspace and the output with NaN before each
 # launch, so that any element a kernel forgets to write fails loudly.
 POISON_WORKSPACE = False
+# Values read straight from the codes, their per-token scale folded into the probabilities
+# (``_online_update_codes``): 1.5-2x fewer instructions per KV byte on sm_90a (kernel_sass.py),
+# validated in the interpreter but not yet on a GPU, so off unless QSINKKV_FOLD_VALUES=1 (read
+# once, at import; the tests run both ways).
+FOLD_VALUES = os.environ.get("QSINKKV_FOLD_VALUES", "0") == "1"
 
 
 @triton.jit
@@ -65,6 +70,27 @@ def _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc_lo, 
 
 
 @triton.jit
+def _online_update_codes(q_lo, q_hi, k_lo, k_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_hi, vz_hi, valid, m_i, l_i,
+                         acc_lo, acc_hi, qk_scale, DOT_PRECISION: tl.constexpr):
+    """``_online_update`` with the values as codes ``cv [N, DH]`` whose half lies in one value group:
+    the per-token scale ``vs [N]`` folds into the probabilities and the zero ``vz [N]`` into a
+    per-row sum, ``acc += (p * vs) @ codes + sum(p * vz)``, so no ``[N, DH]`` scale tile is read."""
+    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
+    s += tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PRECISION)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc_lo = (acc_lo * alpha[:, None] + tl.dot(p * vs_lo[None, :], cv_lo, input_precision=DOT_PRECISION)
+              + tl.sum(p * vz_lo[None, :], axis=1)[:, None])
+    acc_hi = (acc_hi * alpha[:, None] + tl.dot(p * vs_hi[None, :], cv_hi, input_precision=DOT_PRECISION)
+              + tl.sum(p * vz_hi[None, :], axis=1)[:, None])
+    return m_new, l_i, acc_lo, acc_hi
+
+
+@triton.jit
 def _load_codes_half(codes_ptr, row, c, DC, CH0, DHALF, t_ok, BITS: tl.constexpr, BLOCK_DH: tl.constexpr):
     """uint8 codes of channels ``CH0 + c`` (c < DHALF) for the token rows ``row [T]`` -> float32 ``[T, BLOCK_DH]``."""
     if BITS == 4:
@@ -85,7 +111,7 @@ def _decode_kernel(
     qk_scale, H_KV, G, D, S, W, R, NQ, F, BLOCKS_PER_SPLIT,
     BS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-    ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_V: tl.constexpr, GROUP_HI: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -156,30 +182,46 @@ def _decode_kernel(
             ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
             kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
             kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+            # Keys stay dequantized per element: folding the scale into q costs as much on the padded
+            # [BLOCK_G, DH] query tile (kernel_sass.py: int8 0.48 -> 0.51 warp-instr/byte, spills back),
+            # and a transposed dot of tl.interleave's result is wrong on the H200 (int4).
             k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
             k_hi = k_hi * ks_hi[None, :] + kz_hi[None, :]
             v_lo = _load_codes_half(value_codes_ptr, rows, c, DC, 0, DH, t_ok, BITS, BLOCK_DH)
             v_hi = _load_codes_half(value_codes_ptr, rows, c, DC, DH, DH, t_ok, BITS, BLOCK_DH)
-            st_mask = t_ok[:, None] & c_ok[None, :]
-            grp_lo = rows[:, None] * NG + c[None, :] // GROUP
-            grp_hi = rows[:, None] * NG + (DH + c[None, :]) // GROUP
-            v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
-                    + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
-            v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
-                    + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
-            # codes of stale tokens are real data, but keep masked rows at exactly zero
-            v_lo = tl.where(kv_mask, v_lo, 0.0)
-            v_hi = tl.where(kv_mask, v_hi, 0.0)
+            if ROPE:
+                k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
+            if FOLD_V:  # each half in one value group: scales and zeros per token, [BS] vectors
+                vs_lo = tl.load(value_scale_ptr + rows * NG, mask=ok, other=0.0).to(tl.float32)
+                vz_lo = tl.load(value_zero_ptr + rows * NG, mask=ok, other=0.0).to(tl.float32)
+                vs_hi = tl.load(value_scale_ptr + rows * NG + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+                vz_hi = tl.load(value_zero_ptr + rows * NG + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+                m_i, l_i, acc_lo, acc_hi = _online_update_codes(
+                    q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi,
+                    qk_scale, DOT_PRECISION)
+            else:
+                st_mask = t_ok[:, None] & c_ok[None, :]
+                grp_lo = rows[:, None] * NG + c[None, :] // GROUP
+                grp_hi = rows[:, None] * NG + (DH + c[None, :]) // GROUP
+                v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
+                        + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
+                v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
+                        + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
+                # codes of stale tokens are real data, but keep masked rows at exactly zero
+                v_lo = tl.where(kv_mask, v_lo, 0.0)
+                v_hi = tl.where(kv_mask, v_hi, 0.0)
+                m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
+                                                          acc_lo, acc_hi, qk_scale, DOT_PRECISION)
         else:
             rows = (bh * F + r % F) * D                      # float ring row
             k_lo = tl.load(float_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             k_hi = tl.load(float_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v_lo = tl.load(float_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v_hi = tl.load(float_v_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        if ROPE:
-            k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
-        m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
-                                                  acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+            if ROPE:
+                k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
+            m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
+                                                      acc_lo, acc_hi, qk_scale, DOT_PRECISION)
 
     # --- partial state of this split: acc [G, D], (max, sum) [G, 2] ---
     part = (bh * SPLITS + split) * G
@@ -216,6 +258,22 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_logits_ptr, out_ptr, H_KV, G, 
         denom += tl.exp2(sink - m_safe)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + pid.to(tl.int64) * D + d, out, mask=d < D)
+
+
+def decode_constexprs(cfg, head_dim: int, group_heads: int, splits: int, *, rope: bool, interpret: bool,
+                      fold_values: bool | None = None) -> dict:
+    """The compile-time arguments of ``_decode_kernel`` (shared with benchmarks/kernel_sass.py)."""
+    fold_values = FOLD_VALUES if fold_values is None else fold_values
+    D = head_dim
+    return dict(
+        BS=cfg.block_size, BITS=cfg.bits, GROUP=cfg.value_group_size if cfg.bits != 16 else 1, SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group_heads)), BLOCK_DH=max(16, triton.next_power_of_2(D // 2)),
+        BLOCK_T=max(16, triton.next_power_of_2(cfg.block_size)), BLOCK_S=16,
+        ROPE=rope, DOT_PRECISION="ieee" if interpret else "tf32",
+        # a value group holding a whole half: its scale and zero fold out of the per-element work
+        FOLD_V=fold_values and cfg.bits != 16 and cfg.value_group_size % (D // 2) == 0,
+        GROUP_HI=(D // 2) // cfg.value_group_size if cfg.bits != 16 else 0,
+    )
 
 
 def _num_splits(batch_kv_heads: int, max_blocks: int, device: torch.device) -> int:
@@ -283,10 +341,7 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         seq_lens, inv_freq, part_acc, part_ml,
         qk_scale, Hkv, G, D, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
         L.float_rows, triton.cdiv(max_blocks, splits),
-        BS=cfg.block_size, BITS=cfg.bits, GROUP=cfg.value_group_size if cfg.bits != 16 else 1, SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_DH=max(16, triton.next_power_of_2(D // 2)),
-        BLOCK_T=max(16, triton.next_power_of_2(cfg.block_size)), BLOCK_S=16,
-        ROPE=rotary is not None, DOT_PRECISION="ieee" if _INTERPRET else "tf32",
+        **decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET),
     )
     out = alloc(B, H, D)
     _merge_kernel[(B * H,)](

@@ -24,6 +24,12 @@ def poison(monkeypatch):
     monkeypatch.setattr(decode_mod, "POISON_WORKSPACE", True)
 
 
+@pytest.fixture(params=[False, True], ids=["dequantized", "folded"])
+def fold_values(request, monkeypatch):
+    """Both value paths of the decode kernel: dequantize per element, or the scales folded out."""
+    monkeypatch.setattr(decode_mod, "FOLD_VALUES", request.param)
+
+
 # --- block quantize + pack: codes, scales and zeros bit-identical ----------------------------
 
 @settings(max_examples=25, deadline=None)
@@ -118,7 +124,7 @@ CASES = [
 
 @pytest.mark.parametrize("rope", [False, True], ids=["absolute", "cache_index"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
-def test_decode_matches_reference(case, rope):
+def test_decode_matches_reference(fold_values, case, rope):
     bits, S, W, bs, group, R, Hkv, G, lengths = case
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
                       residual_tokens=R, positions="cache_index" if rope else "absolute")
@@ -138,7 +144,7 @@ def test_decode_matches_reference(case, rope):
 
 
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
-def test_decode_gqa_and_sink_logits(G):
+def test_decode_gqa_and_sink_logits(fold_values, G):
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
     layer, _ = filled_layer(cfg, [23, 11], 2, seed=G)
     q = torch.randn(2, 2 * G, D)
@@ -217,7 +223,7 @@ def random_storage_layer(cfg, B, Hkv, seed=0):
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
-def test_decode_positions_past_2_31(bits):
+def test_decode_positions_past_2_31(fold_values, bits):
     """Streams are unbounded: lengths past 2^31 and 2^32 (int32 positions would wrap)."""
     from qsinkkv.decode import decode_attention_torch
     cfg = CacheConfig(sink_tokens=3, recent_tokens=13, bits=bits, block_size=4, value_group_size=8, residual_tokens=2)
@@ -231,7 +237,7 @@ def test_decode_positions_past_2_31(bits):
     assert rel_rms(out, ref) < KERNEL_TOL
 
 
-def test_decode_sink_logits_any_layout():
+def test_decode_sink_logits_any_layout(fold_values):
     """Strided and expanded (stride 0) sink_logits are read as the values they show."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
     layer, _ = filled_layer(cfg, [23, 11], 2, seed=5)

@@ -149,14 +149,16 @@ class SinkQuantCache:
         cut = self._per_sequence("tokens", tokens)
         self._crop([cut] * self.num_layers)
 
-    def truncate(self, length: int) -> None:
-        """Bring every layer's longest sequence to ``length`` tokens, removing as many of the newest
-        tokens from each of its sequences (transformers' ``crop(max_length)``, which counts a
-        left-padded batch by its longest row); layers not longer are left as they are. This also
-        brings layers left out of step by an interrupted forward back to one length. Refused as crop."""
-        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise ValueError(f"length must be an int >= 0, got {length!r}")
-        self._crop([[max(int(layer.seq_lens.max()) - length, 0)] * self.batch_size for layer in self.layers])
+    def crop_to(self, lengths) -> None:
+        """Bring every layer to ``lengths`` (an int, or ``[B]`` per sequence) by forgetting its newest
+        tokens; this also brings layers left out of step by an interrupted forward back to one
+        length. Refused, with nothing changed, as crop, or when a layer holds fewer tokens."""
+        target = self._per_sequence("lengths", lengths)
+        cuts = [[n - t for n, t in zip(layer.seq_lens.tolist(), target)] for layer in self.layers]
+        for i, cut in enumerate(cuts):
+            if min(cut) < 0:
+                raise ValueError(f"layer {i} holds {self.layers[i].seq_lens.tolist()} tokens, fewer than {target}")
+        self._crop(cuts)
 
     def _crop(self, cuts: list[list[int]]) -> None:
         for layer, cut in zip(self.layers, cuts):  # check all before changing any

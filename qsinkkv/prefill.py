@@ -36,6 +36,9 @@ def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, layer: LayerSto
     real = t < lengths.to(q.device).unsqueeze(1)                                   # [B, T]
     q_pos = n0 + t
     chunk_pos = torch.where(real, q_pos, -1)                                       # padding is never seen
+    if not bool(real.all()):  # nor read: a masked key still meets its value in p @ v, and 0 * NaN is NaN
+        pad = ~real.view(B, 1, T, 1)
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
     stored_k, stored_v, stored_pos = gather(layer, k.dtype)
     chunk_sinks = max(S - int(layer.seq_lens.min()), 0)   # chunk tokens that are some sequence's sinks
     out = torch.empty_like(q)

@@ -157,6 +157,7 @@ def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], qu
     S, bs, F, nq = cfg.sink_tokens, cfg.block_size, L.float_rows, max(L.quant_slots, 1)
     sink_rows, sink_pos, float_rows, float_row = [], [], [], []
     full_rows, full_block = [], []           # sequences whose new token completes a block that stays visible
+    live_rows = []                           # sequences whose new float row holds a token the shorter stream reads
     for b in rows:
         n = int(s.seq_lens[b])
         if n < S:
@@ -168,6 +169,8 @@ def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], qu
         if r >= q1 * bs:                     # it stays unquantized (else it completes its own block now)
             float_rows.append(b)
             float_row.append(r % F)
+            if r - F >= q0 * bs:             # the row held token r - F, still unquantized at length n
+                live_rows.append(b)
         if q1 > max(q0, L.first_kept_block(r + 1)):
             full_rows.append(b)
             full_block.append(q1 - 1)
@@ -187,14 +190,13 @@ def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], qu
         quantized = (quantizer.quantize_key_blocks(blocks[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
                      + quantizer.quantize_values(blocks[1].unsqueeze(2), cfg.bits, cfg.value_group_size,
                                                  cfg.scale_dtype))
-    saved = []
-    if full_rows:  # only a completing block's slot and row can hold what the shorter stream reads
+    saved = []  # what the shorter stream reads and this step overwrites: a completing block's slot, live rows
+    if live_rows:
+        where_f = (idx(live_rows), slice(None), idx([float_row[float_rows.index(b)] for b in live_rows]))
+        saved += [_save(t, where_f) for t in (s.float_k, s.float_v)]
+    if full_rows:
         where_q = (fr, slice(None), blk % nq)
         saved += [_save(getattr(s, name), where_q) for name in _QUANT_TENSORS]
-        kept = [b for b in full_rows if b in float_rows]
-        if kept:
-            where_f = (idx(kept), slice(None), idx([float_row[float_rows.index(b)] for b in kept]))
-            saved += [_save(t, where_f) for t in (s.float_k, s.float_v)]
         for name, src in zip(_QUANT_TENSORS, quantized):
             getattr(s, name)[where_q] = src.squeeze(2)
     if sink_rows:

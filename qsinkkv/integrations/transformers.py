@@ -105,7 +105,8 @@ class QSinkKVCache(Cache):
     rank must hold whole KV heads. Storage is allocated at the first update (batch size, KV
     heads, device and dtype are taken from the model's K/V, so under tensor parallelism each
     rank holds its own heads) and never grows; ``nbytes()`` reports it. ``get_seq_length()``
-    is the longest row's length (a left-padded batch's width).
+    is the batch's width: the columns fed so far, pads included (what ``DynamicCache`` reports),
+    counted when the last layer has stored them.
     """
 
     is_compileable = False
@@ -139,6 +140,7 @@ class QSinkKVCache(Cache):
         self.rotary = rotary_from_config(text) if config.positions == "cache_index" else None
         self.num_layers = text.num_hidden_layers
         self.inner: SinkQuantCache | None = None
+        self.width = 0  # columns fed (pads included); each row's own length lives in inner.seq_lens()
         super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
 
     # --- storage ------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class QSinkKVCache(Cache):
             raise RuntimeError(
                 f"qsinkkv: the cache's layers are out of step (their longest sequences hold {sorted(set(lengths))} "
                 "tokens): an earlier forward stopped part-way through the layers (an error or interrupt outside "
-                f"the cache); call cache.crop({min(lengths)}) or cache.reset() before the next forward")
+                f"the cache); call cache.crop({self.width}) or cache.reset() before the next forward")
         if self.fused:
             if forward_kwargs is None:
                 raise RuntimeError("attn_implementation='qsinkkv' needs a model that calls "
@@ -196,6 +198,7 @@ class QSinkKVCache(Cache):
                              f"{pos.reshape(-1)[:8].tolist()}...: a left-padded prompt (its pads would become sinks); "
                              "drop the padding, or use attn_implementation='qsinkkv'")
         inner.append(layer_idx, k, v)
+        self._stored(layer_idx, T)
         keys, values, pos = gather(inner.layers[layer_idx], k.dtype)
         n = n0 + T
         seen = visible_mask(torch.tensor([n - 1], device=pos.device), pos[0], self.config.sink_tokens,
@@ -203,9 +206,14 @@ class QSinkKVCache(Cache):
         order = torch.argsort(torch.where(seen, pos[0], pos[0].max() + 1))[: int(seen.sum())]
         return keys[:, :, order], values[:, :, order]
 
+    def _stored(self, layer_idx: int, columns: int) -> None:
+        """A layer stored a chunk of ``columns``: the last one completes the step."""
+        if layer_idx == self.num_layers - 1:
+            self.width += columns
+
     # --- what transformers asks of a cache ---------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.inner is None else self.inner.get_seq_length(layer_idx)
+        return self.width
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
@@ -223,23 +231,27 @@ class QSinkKVCache(Cache):
         return 0 if self.inner is None else self.inner.nbytes()
 
     def reset(self) -> None:
+        self.width = 0
         if self.inner is not None:
             self.inner.reset()
 
     def crop(self, max_length: int) -> None:
         """transformers' convention (``DynamicCache.crop``): a non-negative ``max_length`` is the length
         to keep (a no-op when the cache is not longer); a negative one removes that many of the newest
-        tokens. Refused (nothing changed) past the retained window, or when removing more than it holds.
-        Also brings layers left out of step by an interrupted forward back to one length."""
+        tokens. Lengths count columns, pads included: a left-padded row whose real tokens are the
+        last n columns loses min(removed, n) of them. Refused (nothing changed) past the retained
+        window, or when removing more than the batch holds. Also brings layers left out of step
+        by an interrupted forward back to the last completed step."""
         if isinstance(max_length, bool) or not isinstance(max_length, int):
             raise ValueError(f"max_length must be an int (the length to keep, or minus the tokens to remove), "
                              f"got {max_length!r}")
-        n = self.get_seq_length()
-        keep = n + max_length if max_length < 0 else max_length
+        keep = self.width + max_length if max_length < 0 else max_length
         if keep < 0:
-            raise ValueError(f"cannot remove {-max_length} tokens from a cache of {n} tokens")
-        if self.inner is not None:
-            self.inner.truncate(keep)
+            raise ValueError(f"cannot remove {-max_length} tokens from a cache of {self.width} tokens")
+        removed = max(self.width - keep, 0)
+        if self.inner is not None:  # the last layer is never ahead of the completed steps
+            self.inner.crop_to((self.inner.seq_lens(self.num_layers - 1) - removed).clamp(min=0))
+        self.width -= removed
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         if self.inner is not None:
@@ -279,6 +291,7 @@ def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         take = lambda x: x.gather(2, order[:, None, :, None].expand_as(x))  # noqa: E731
         out = cache.inner.attend(module.layer_idx, take(query), take(key), take(value), real.sum(1), scale=scaling)
         out = torch.zeros_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+    cache._stored(module.layer_idx, query.shape[2])
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -12,7 +12,8 @@ Two modes, chosen by the model's attention implementation at every forward:
   ``update`` stores nothing and hands the new K/V to the registered attention function, which
   stores them and attends straight from the quantized storage (the Triton kernel on CUDA, the
   PyTorch path elsewhere) under the exact sink + window mask. Prefill longer than the capacity
-  is exact. Both position contracts; batches of equal lengths (padding is refused).
+  is exact. Both position contracts; padded batches (left-padded by ``generate``, or any mask):
+  the pads are never stored, each row keeps its own sinks, window and positions.
 * any other implementation (sdpa, eager, ...) — portable: ``update`` stores the new tokens and
   returns the dequantized visible K/V, so the model's own attention works (slower: the window
   is dequantized every step). The model's mask can only express a contiguous span, so this

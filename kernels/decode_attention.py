@@ -53,9 +53,9 @@ def _rotate(x_lo, x_hi, idx, inv_freq):
 
 
 @triton.jit
-def _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc_lo, acc_hi, qk_scale,
-                   DOT_PRECISION: tl.constexpr):
-    """One tile of keys ``[N, DH]`` into the running (max, sum, acc) of ``[G, ...]`` queries."""
+def _softmax_step(q_lo, q_hi, k_lo, k_hi, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Scores of a tile of keys ``[N, DH]`` for ``[G, ...]`` queries, folded into the running (max,
+    sum): returns the new max and sum, the rescale ``alpha [G]`` of the accumulators and ``p [G, N]``."""
     s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
     s += tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PRECISION)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -63,7 +63,14 @@ def _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc_lo, 
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, valid, m_i, l_i, acc_lo, acc_hi, qk_scale,
+                   DOT_PRECISION: tl.constexpr):
+    """One tile of keys ``[N, DH]`` into the running (max, sum, acc) of ``[G, ...]`` queries."""
+    m_new, l_i, alpha, p = _softmax_step(q_lo, q_hi, k_lo, k_hi, valid, m_i, l_i, qk_scale, DOT_PRECISION)
     acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=DOT_PRECISION)
     acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=DOT_PRECISION)
     return m_new, l_i, acc_lo, acc_hi
@@ -75,14 +82,7 @@ def _online_update_codes(q_lo, q_hi, k_lo, k_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_
     """``_online_update`` with the values as codes ``cv [N, DH]`` whose half lies in one value group:
     the per-token scale ``vs [N]`` folds into the probabilities and the zero ``vz [N]`` into a
     per-row sum, ``acc += (p * vs) @ codes + sum(p * vz)``, so no ``[N, DH]`` scale tile is read."""
-    s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
-    s += tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PRECISION)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, alpha, p = _softmax_step(q_lo, q_hi, k_lo, k_hi, valid, m_i, l_i, qk_scale, DOT_PRECISION)
     acc_lo = (acc_lo * alpha[:, None] + tl.dot(p * vs_lo[None, :], cv_lo, input_precision=DOT_PRECISION)
               + tl.sum(p * vz_lo[None, :], axis=1)[:, None])
     acc_hi = (acc_hi * alpha[:, None] + tl.dot(p * vs_hi[None, :], cv_hi, input_precision=DOT_PRECISION)

@@ -21,9 +21,8 @@ import torch
 from torch import Tensor
 
 from . import write
-from .attention import visible_mask
 from .config import CacheConfig
-from .layout import WindowLayout
+from .layout import WindowLayout, visible_mask
 from .ops import select_ops
 from .rope import Rotary
 from .storage import LayerStorage

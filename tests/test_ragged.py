@@ -245,3 +245,22 @@ def test_long_prefill_reads_only_what_each_tile_sees(rope):
         ref = attention_oracle(q[b:b + 1, :, n0:n0 + t], lambda i: (k[b:b + 1].double(), v[b:b + 1].double()),
                                3, 100, range(n0, n0 + t), rotary)
         assert rel(out[b:b + 1, :, :t], ref) < 1e-5
+
+
+def test_crop_to_refusals_change_nothing():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=4, block_size=4, value_group_size=4)
+    cache = SinkQuantCache(cfg, 2, 2, HKV, D, dtype=torch.float32)
+    draw = run_rows(cfg, B=2)
+    for layer in range(2):
+        cache.append(layer, *draw(8)[1:], [8, 4])
+    cache.append(0, *draw(1)[1:])  # layer 0 one step ahead (completing no block), as after an interrupt
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"layer 1 holds \[8, 4\] tokens, fewer than \[9, 5\]"):
+        cache.crop_to([9, 5])
+    with pytest.raises(ValueError, match="a block they share with older tokens was already quantized"):
+        cache.crop_to([4, 4])  # row 0 would lose tokens of a quantized block
+    with pytest.raises(ValueError, match="lengths must be an int or 2 ints"):
+        cache.crop_to([8.0, 4])
+    assert_unchanged(cache, snap)
+    cache.crop_to([8, 4])  # back in step
+    assert cache.in_step() and cache.seq_lens(0).tolist() == [8, 4]

@@ -40,9 +40,10 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
     f = "*bf16"
     sig = dict(q_ptr=f, sink_k_ptr=f, sink_v_ptr=f, float_k_ptr=f, float_v_ptr=f, key_codes_ptr="*u8",
                key_scale_ptr="*fp16", key_zero_ptr="*fp16", value_codes_ptr="*u8", value_scale_ptr="*fp16",
-               value_zero_ptr="*fp16", seq_lens_ptr="*i64", inv_freq_ptr="*fp32", part_acc_ptr="*fp32",
+               value_zero_ptr="*fp16", sink_table_ptr="*i64", float_table_ptr="*i64", quant_table_ptr="*i64",
+               seq_lens_ptr="*i64", inv_freq_ptr="*fp32", part_acc_ptr="*fp32",
                part_ml_ptr="*fp32", qk_scale="fp32", H_KV="i32", G="i32", D="i32", S="i32", W="i32", R="i32",
-               NQ="i32", F="i32", BLOCKS_PER_SPLIT="i32")
+               NQ="i32", FS="i32", SINK_PAGES="i32", FLOAT_BLOCKS="i32", QUANT_BLOCKS="i32", BLOCKS_PER_SPLIT="i32")
     from qsinkkv import CacheConfig
     cfg = CacheConfig(sink_tokens=4, recent_tokens=4092, bits=bits, block_size=block, value_group_size=group)
     const = mod.decode_constexprs(cfg, head_dim, group_heads=4, splits=4, rope=False, interpret=False,

@@ -107,8 +107,8 @@ def _load_codes_half(codes_ptr, row, c, DC, CH0, DHALF, t_ok, BITS: tl.constexpr
 def _decode_kernel(
     q_ptr, sink_k_ptr, sink_v_ptr, float_k_ptr, float_v_ptr,
     key_codes_ptr, key_scale_ptr, key_zero_ptr, value_codes_ptr, value_scale_ptr, value_zero_ptr,
-    seq_lens_ptr, inv_freq_ptr, part_acc_ptr, part_ml_ptr,
-    qk_scale, H_KV, G, D, S, W, R, NQ, F, BLOCKS_PER_SPLIT,
+    sink_table_ptr, float_table_ptr, quant_table_ptr, seq_lens_ptr, inv_freq_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, H_KV, G, D, S, W, R, NQ, FS, SINK_PAGES, FLOAT_BLOCKS, QUANT_BLOCKS, BLOCKS_PER_SPLIT,
     BS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
     ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_V: tl.constexpr, GROUP_HI: tl.constexpr,
@@ -116,7 +116,8 @@ def _decode_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // H_KV
-    bh = pid.to(tl.int64)  # (b, kv head) row of every [B, Hkv, ...] tensor
+    h = (pid % H_KV).to(tl.int64)  # kv head: pools are [Hkv, blocks, ...]
+    bh = pid.to(tl.int64)  # (b, kv head) row of the [B, Hkv, ...] partial states
     DH = D // 2
     n = tl.load(seq_lens_ptr + b)
     m = tl.maximum(n - S, 0)                  # recent tokens seen
@@ -149,7 +150,7 @@ def _decode_kernel(
         for s0 in range(0, n_sinks, BLOCK_S):
             j = s0 + tl.arange(0, BLOCK_S)
             ok = j < n_sinks
-            rows = (bh * S + j) * D
+            rows = ((h * SINK_PAGES + tl.load(sink_table_ptr + b)) * S + j) * D
             kv_mask = ok[:, None] & c_ok[None, :]
             k_lo = tl.load(sink_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             k_hi = tl.load(sink_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -171,7 +172,7 @@ def _decode_kernel(
         ok = t_ok & (r >= r_lo) & (r < m)
         kv_mask = ok[:, None] & c_ok[None, :]
         if BITS != 16 and blk < qb:
-            slot = (bh * NQ + blk % NQ)                      # quantized ring slot
+            slot = h * QUANT_BLOCKS + tl.load(quant_table_ptr + b * NQ + blk % NQ)  # the ring slot's block
             rows = slot * BS + t                             # token rows of codes / value stats
             CPB: tl.constexpr = 2 if BITS == 4 else 1
             DC = D // CPB
@@ -213,7 +214,8 @@ def _decode_kernel(
                 m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
                                                           acc_lo, acc_hi, qk_scale, DOT_PRECISION)
         else:
-            rows = (bh * F + r % F) * D                      # float ring row
+            fblk = tl.load(float_table_ptr + b * FS + blk % FS)  # the float-ring slot's block
+            rows = ((h * FLOAT_BLOCKS + fblk) * BS + t) * D
             k_lo = tl.load(float_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             k_hi = tl.load(float_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v_lo = tl.load(float_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -299,12 +301,12 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
     Returns ``[B, H, D]`` in q's dtype.
     """
     cfg, L = layer.layout.config, layer.layout
-    B, Hkv, S, D = layer.sink_k.shape
+    B, Hkv, S, D = layer.batch_size, layer.num_kv_heads, cfg.sink_tokens, layer.head_dim
     if not isinstance(q, Tensor) or q.ndim != 3 or q.shape[0] != B or q.shape[2] != D or q.shape[1] % Hkv:
         raise ValueError(f"q must be [B={B}, H, D={D}] with H a multiple of Hkv={Hkv}, "
                          f"got {tuple(getattr(q, 'shape', ()))}")
-    if q.device != layer.sink_k.device:
-        raise ValueError(f"q.device must be the cache device {layer.sink_k.device}, got {q.device}")
+    if q.device != layer.device:
+        raise ValueError(f"q.device must be the cache device {layer.device}, got {q.device}")
     if D % 4:
         raise ValueError(f"the Triton decode kernel needs head_dim % 4 == 0, got head_dim={D}")
     H = q.shape[1]
@@ -338,9 +340,11 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
     _decode_kernel[(B * Hkv, splits)](
         q.contiguous(), layer.sink_k, layer.sink_v, layer.float_k, layer.float_v,
         layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,
+        layer.sink_table.contiguous(), layer.float_table.contiguous(), layer.quant_table.contiguous(),
         seq_lens, inv_freq, part_acc, part_ml,
         qk_scale, Hkv, G, D, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
-        L.float_rows, triton.cdiv(max_blocks, splits),
+        max(L.float_slots, 1), layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1],
+        triton.cdiv(max_blocks, splits),
         **decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET),
     )
     out = alloc(B, H, D)

@@ -132,14 +132,7 @@ class SinkQuantCache:
         """Empty every sequence, or only the rows ``seqs`` (a list, int tensor or bool mask of rows)."""
         rows = None if seqs is None else self._batch_index(seqs, allow_repeats=False)
         for i, layer in enumerate(self.layers):
-            if rows is None:
-                layer.seq_lens.zero_()
-                for t in layer.tensors().values():
-                    t.zero_()
-            else:
-                layer.seq_lens[rows.cpu()] = 0
-                for t in layer.tensors().values():
-                    t.index_fill_(0, rows, 0)
+            layer.clear(torch.arange(self.batch_size, device=self.device) if rows is None else rows)
             self._undo[i] = None
 
     def crop(self, tokens) -> None:

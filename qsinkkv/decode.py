@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .attention import sink_window_attention
 from .rope import Rotary
-from .storage import LayerStorage, gather
+from .storage import LayerStorage, by_table, gather
 
 
 def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | None = None,
@@ -32,52 +32,60 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
     """``q [B, H, D]`` -> ``[B, H, D]`` in q's dtype, straight from the codes. Same contract as
     ``qsinkkv.kernels.decode_attention`` (absolute positions).
 
-    Scores are kept as ``[B, Hkv, N, G]`` (tokens before query heads) so that every product
-    reads the stored tensors in their own row-major order: ``codes [.., bs, D] @ q [.., D, G]``
-    and ``p [.., G, N] @ codes [.., N, D]``, with no transposed copy of the window."""
-    cfg = layer.layout.config
-    B, Hkv, S, D = layer.sink_k.shape
+    Works head-major, as the pools are stored (``[Hkv, B, ...]``), with scores kept as
+    ``[Hkv, B, N, G]`` (tokens before query heads) so that every product reads the stored tensors
+    in their own row-major order: ``codes [.., bs, D] @ q [.., D, G]`` and ``p [.., G, N] @ codes
+    [.., N, D]``; a dense storage is read through views, with no copy of the window."""
+    cfg, s = layer.layout.config, layer
+    read = lambda name, table: by_table(getattr(s, name), table, s.dense)  # noqa: E731
+    Hkv, B, D = s.num_kv_heads, s.batch_size, s.head_dim
+    S = cfg.sink_tokens
     G = q.shape[1] // Hkv
-    nq, bs = layer.key_codes.shape[2], cfg.block_size
+    nq, bs = s.quant_table.shape[1], cfg.block_size
     scale = D ** -0.5 if scale is None else scale
-    qT = (q.float().view(B, Hkv, G, D) * scale).transpose(-1, -2).contiguous()  # [B, Hkv, D, G]
+    qT = (q.float().view(B, Hkv, G, D) * scale).permute(1, 0, 3, 2).contiguous()  # [Hkv, B, D, G]
 
-    scores = [layer.sink_k.float() @ qT]                                        # [B, Hkv, S, G]
+    scores = [read("sink_k", s.sink_table).float() @ qT]                        # [Hkv, B, S, G]
     if nq:
-        qsT = qT.unsqueeze(2) * layer.key_scale.float().unsqueeze(-1)           # [B, Hkv, nq, D, G]
-        planes = list(zip(_split_codes(layer.key_codes, cfg.bits, "key"), _split_channels(qsT, cfg.bits)))
-        s_q = planes[0][0] @ planes[0][1]                                       # [B, Hkv, nq, bs, G]
-        s_q += (layer.key_zero.float() @ qT).unsqueeze(3)
+        t = s.quant_table
+        qsT = qT.unsqueeze(2) * read("key_scale", t).float().unsqueeze(-1)      # [Hkv, B, nq, D, G]
+        planes = list(zip(_split_codes(read("key_codes", t), cfg.bits, "key"), _split_channels(qsT, cfg.bits)))
+        s_q = planes[0][0] @ planes[0][1]                                       # [Hkv, B, nq, bs, G]
+        s_q += (read("key_zero", t).float() @ qT).unsqueeze(3)
         for c, qc in planes[1:]:  # accumulate in place: one [.., bs, G] buffer for every plane
-            s_q.view(-1, bs, G).baddbmm_(c.view(-1, bs, c.shape[-1]), qc.reshape(-1, *qc.shape[-2:]))
+            s_q.view(-1, bs, G).baddbmm_(c.reshape(-1, bs, c.shape[-1]), qc.reshape(-1, *qc.shape[-2:]))
         scores.append(s_q.flatten(2, 3))
-    scores.append(layer.float_k.float() @ qT)                                   # [B, Hkv, F, G]
-    # softmax along the last, contiguous axis: [B, Hkv, G, N]
+    scores.append(read("float_k", s.float_table).flatten(2, 3).float() @ qT)    # [Hkv, B, F, G]
+    # softmax along the last, contiguous axis: [Hkv, B, G, N]
     scores = torch.cat(scores, dim=2).transpose(-1, -2).contiguous()
     seen = layer.layout.visible_slots(layer.seq_lens, q.device)                 # [B, N]
-    scores.masked_fill_(~seen.view(B, 1, 1, -1), float("-inf"))
+    scores.masked_fill_(~seen.view(1, B, 1, -1), float("-inf"))
     if sink_logits is None:
-        pT = torch.softmax(scores, dim=-1)                                      # [B, Hkv, G, N]
+        pT = torch.softmax(scores, dim=-1)                                      # [Hkv, B, G, N]
     else:
-        s = sink_logits.float().view(1, Hkv, G, 1).expand(B, Hkv, G, 1)
-        pT = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
-    out = pT[..., :S] @ layer.sink_v.float() + pT[..., S + nq * bs:] @ layer.float_v.float()
+        sl = sink_logits.float().view(Hkv, 1, G, 1).expand(Hkv, B, G, 1)
+        pT = torch.softmax(torch.cat((scores, sl), dim=-1), dim=-1)[..., :-1]
+    # (each float copy made where it is used: one live at a time, so the allocator reuses its pages)
+    out = pT[..., :S] @ read("sink_v", s.sink_table).float()
+    out += pT[..., S + nq * bs:] @ read("float_v", s.float_table).flatten(2, 3).float()
     if nq:
+        t = s.quant_table
         gs = cfg.value_group_size
         ng = D // gs
-        p_q = pT[..., S:S + nq * bs]                                            # [B, Hkv, G, Nq]
-        v_scale = layer.value_scale.float().flatten(2, 3)                       # [B, Hkv, Nq, ng]
-        v_zero = layer.value_zero.float().flatten(2, 3)
-        bias = p_q @ v_zero                                                     # [B, Hkv, G, ng]
-        codes = [c.flatten(2, 3).unflatten(-1, (ng, -1)) for c in _split_codes(layer.value_codes, cfg.bits, "value")]
-        parts = []                                                              # per group: [B, Hkv, G, gs]
+        p_q = pT[..., S:S + nq * bs]                                            # [Hkv, B, G, Nq]
+        v_scale = read("value_scale", t).float().flatten(2, 3)                  # [Hkv, B, Nq, ng]
+        v_zero = read("value_zero", t).float().flatten(2, 3)
+        bias = p_q @ v_zero                                                     # [Hkv, B, G, ng]
+        codes = [c.flatten(2, 3).unflatten(-1, (ng, -1))
+                 for c in _split_codes(read("value_codes", t), cfg.bits, "value")]
+        parts = []                                                              # per group: [Hkv, B, G, gs]
         for n in range(ng):
-            ps = p_q * v_scale[..., n].unsqueeze(2)                             # [B, Hkv, G, Nq]
-            planes = [ps @ c[..., n, :] for c in codes]                         # [B, Hkv, G, gs / k] each
+            ps = p_q * v_scale[..., n].unsqueeze(2)                             # [Hkv, B, G, Nq]
+            planes = [ps @ c[..., n, :] for c in codes]                         # [Hkv, B, G, gs / k] each
             part = torch.stack(planes, dim=-1).flatten(-2) if len(planes) == 2 else planes[0]
             parts.append(part.add_(bias[..., n:n + 1]))
         out += torch.cat(parts, dim=-1) if ng > 1 else parts[0]
-    return out.reshape(B, Hkv * G, D).to(q.dtype)
+    return out.transpose(0, 1).reshape(B, Hkv * G, D).to(q.dtype)
 
 
 def _split_codes(codes: Tensor, bits: int, role: str) -> list[Tensor]:

@@ -1,22 +1,36 @@
 """LayerStorage: one layer's KV storage as a plain record, the thing every op reads.
 
 The ops (``write``, ``decode``, ``prefill``, ``qsinkkv.kernels``) take this record and never the
-cache; ``SinkQuantCache`` owns one per layer and validates what reaches them. Which slot
-holds which token is ``layout.py``'s business; the lengths are ``seq_lens``.
+cache. Which recent token sits in which ring slot is ``layout.py``'s business; this record says
+where each slot of each sequence lives: in a *block* of a pool, named by a block table (vLLM's
+paging). The pools are head-major, so that a sequence's blocks of one head are one batch of a
+matmul when its blocks are contiguous:
 
-  sink_k, sink_v           [B, Hkv, S, D]                    sink_dtype
-  float_k, float_v         [B, Hkv, float_rows, D]           window_dtype  (filling block + residual)
-  key_codes, value_codes   [B, Hkv, quant_slots, bs, D/cpb]  uint8         (cpb = 2 for int4, else 1)
-  key_scale, key_zero      [B, Hkv, quant_slots, D]          scale_dtype   (per block and channel)
-  value_scale, value_zero  [B, Hkv, quant_slots, bs, D/G]    scale_dtype   (per token and group)
-  seq_lens                 [B] int64 on the host             tokens stored per sequence
+  sink_k, sink_v           [Hkv, sink_pages, S, D]           sink_dtype    one page per sequence
+  float_k, float_v         [Hkv, float_blocks, bs, D]        window_dtype  (filling block + residual)
+  key_codes, value_codes   [Hkv, quant_blocks, bs, D/cpb]    uint8         (cpb = 2 for int4, else 1)
+  key_scale, key_zero      [Hkv, quant_blocks, D]            scale_dtype   (per block and channel)
+  value_scale, value_zero  [Hkv, quant_blocks, bs, D/G]      scale_dtype   (per token and group)
 
-``seq_lens`` lives on the host: the write path decides on the host which rows fill a
-block or a sink (no device sync), and the kernels take a device copy.
+  sink_table   [B]                 int64, device   sequence b's sink page
+  float_table  [B, float_slots]    int64, device   the block of each float-ring slot (-1: none yet)
+  quant_table  [B, quant_slots]    int64, device   the block of each quantized-ring slot (-1: none yet)
+  seq_lens     [B]                 int64, host     tokens stored per sequence
+
+Float-ring row ``r`` of sequence b is row ``r % bs`` of block ``float_table[b, r // bs]``;
+quantized-ring slot j is block ``quant_table[b, j]``. A slot whose table entry is -1 was never
+written and holds no visible token (an op may read any block there: the mask drops it).
+
+``dense`` storage (``allocate``: a fixed batch, the plain cache) gives sequence b the blocks
+``b * n .. b * n + n - 1`` of each pool, so reading through the tables is a view; a paged
+storage (``allocate_pool``) takes blocks from a shared pool as sequences grow (``qsinkkv.paged``).
+
+``seq_lens`` lives on the host: the write path decides on the host which rows fill a block or a
+sink (no device sync), and the kernels take a device copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -26,6 +40,9 @@ from .layout import WindowLayout
 
 STORAGE_TENSORS = ("sink_k", "sink_v", "float_k", "float_v", "key_codes", "key_scale", "key_zero",
                    "value_codes", "value_scale", "value_zero")
+FLOAT_TENSORS = ("float_k", "float_v")
+QUANT_TENSORS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
+SINK_TENSORS = ("sink_k", "sink_v")
 
 
 @dataclass(eq=False)
@@ -41,35 +58,59 @@ class LayerStorage:
     value_codes: Tensor
     value_scale: Tensor
     value_zero: Tensor
+    sink_table: Tensor
+    float_table: Tensor
+    quant_table: Tensor
     seq_lens: Tensor
+    dense: bool
 
     @classmethod
     def allocate(cls, layout: WindowLayout, batch_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device) -> LayerStorage:
+        """A fixed batch: sequence b owns its blocks from the start (tables are the identity)."""
+        B = batch_size
+        storage = cls.allocate_pool(layout, num_kv_heads, head_dim, device, sink_pages=B,
+                                    float_blocks=B * layout.float_slots, quant_blocks=B * layout.quant_slots)
+        arange = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
+        storage.sink_table = arange(B)
+        storage.float_table = arange(B * layout.float_slots).view(B, layout.float_slots)
+        storage.quant_table = arange(B * layout.quant_slots).view(B, layout.quant_slots)
+        storage.seq_lens = torch.zeros(B, dtype=torch.int64)
+        storage.dense = True
+        return storage
+
+    @classmethod
+    def allocate_pool(cls, layout: WindowLayout, num_kv_heads: int, head_dim: int, device: torch.device, *,
+                      sink_pages: int, float_blocks: int, quant_blocks: int) -> LayerStorage:
+        """Pools of the given sizes, zeroed, and no sequence yet (B = 0)."""
         cfg = layout.config
-        B, H, D, S, bs = batch_size, num_kv_heads, head_dim, cfg.sink_tokens, cfg.block_size
+        H, D, S, bs = num_kv_heads, head_dim, cfg.sink_tokens, cfg.block_size
         zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        nq, Dc = layout.quant_slots, D // quant.codes_per_byte(cfg.bits)
+        Dc = D // quant.codes_per_byte(cfg.bits)
         groups = D // cfg.value_group_size if cfg.bits != 16 else 0
+        P, Q = float_blocks, quant_blocks
+        table = lambda n: torch.empty(0, n, dtype=torch.int64, device=device)  # noqa: E731
         return cls(
             layout,
-            sink_k=zeros(B, H, S, D, dtype=cfg.sink_dtype), sink_v=zeros(B, H, S, D, dtype=cfg.sink_dtype),
-            float_k=zeros(B, H, layout.float_rows, D, dtype=cfg.window_dtype),
-            float_v=zeros(B, H, layout.float_rows, D, dtype=cfg.window_dtype),
-            key_codes=zeros(B, H, nq, bs, Dc, dtype=torch.uint8),
-            key_scale=zeros(B, H, nq, D, dtype=cfg.scale_dtype), key_zero=zeros(B, H, nq, D, dtype=cfg.scale_dtype),
-            value_codes=zeros(B, H, nq, bs, Dc, dtype=torch.uint8),
-            value_scale=zeros(B, H, nq, bs, groups, dtype=cfg.scale_dtype),
-            value_zero=zeros(B, H, nq, bs, groups, dtype=cfg.scale_dtype),
-            seq_lens=torch.zeros(B, dtype=torch.int64))
+            sink_k=zeros(H, sink_pages, S, D, dtype=cfg.sink_dtype),
+            sink_v=zeros(H, sink_pages, S, D, dtype=cfg.sink_dtype),
+            float_k=zeros(H, P, bs, D, dtype=cfg.window_dtype), float_v=zeros(H, P, bs, D, dtype=cfg.window_dtype),
+            key_codes=zeros(H, Q, bs, Dc, dtype=torch.uint8),
+            key_scale=zeros(H, Q, D, dtype=cfg.scale_dtype), key_zero=zeros(H, Q, D, dtype=cfg.scale_dtype),
+            value_codes=zeros(H, Q, bs, Dc, dtype=torch.uint8),
+            value_scale=zeros(H, Q, bs, groups, dtype=cfg.scale_dtype),
+            value_zero=zeros(H, Q, bs, groups, dtype=cfg.scale_dtype),
+            sink_table=torch.empty(0, dtype=torch.int64, device=device),
+            float_table=table(layout.float_slots), quant_table=table(layout.quant_slots),
+            seq_lens=torch.zeros(0, dtype=torch.int64), dense=False)
 
     @property
     def batch_size(self) -> int:
-        return self.sink_k.shape[0]
+        return self.seq_lens.shape[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.sink_k.shape[1]
+        return self.sink_k.shape[0]
 
     @property
     def head_dim(self) -> int:
@@ -80,36 +121,71 @@ class LayerStorage:
         return self.sink_k.device
 
     def tensors(self) -> dict[str, Tensor]:
-        """The storage tensors by name (not ``seq_lens``)."""
+        """The storage tensors by name (not the tables or ``seq_lens``)."""
         return {name: getattr(self, name) for name in STORAGE_TENSORS}
 
     def nbytes(self) -> int:
+        """Bytes of the pools (every block, held or free)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def rows(self, b: int) -> LayerStorage:
-        """Sequence ``b`` alone, as views: writing through it writes this storage."""
-        kw = {f.name: getattr(self, f.name)[b:b + 1] for f in fields(self) if f.name != "layout"}
-        return LayerStorage(self.layout, **kw)
+        """Sequence ``b`` alone: the same pools, its table rows and a view of its length (writing through
+        it writes this storage)."""
+        return replace(self, sink_table=self.sink_table[b:b + 1], float_table=self.float_table[b:b + 1],
+                       quant_table=self.quant_table[b:b + 1], seq_lens=self.seq_lens[b:b + 1], dense=False)
 
     def select(self, index: Tensor) -> None:
-        """Keep, reorder or repeat sequences (``index [B']`` of rows)."""
+        """Keep, reorder or repeat sequences (``index [B']`` of rows) of a dense storage: their blocks are
+        copied into the new order, so the tables stay the identity."""
+        if not self.dense:
+            raise ValueError("select() reorders the blocks of a dense storage; a paged storage selects table rows")
+        index = index.to(self.device)
+        B, Bn = self.batch_size, index.shape[0]
         for name in STORAGE_TENSORS:
-            setattr(self, name, getattr(self, name).index_select(0, index.to(self.device)).contiguous())
+            pool = getattr(self, name)
+            per_row = pool.view(pool.shape[0], B, pool.shape[1] // B, *pool.shape[2:])
+            setattr(self, name, per_row.index_select(1, index).flatten(1, 2).contiguous())
+        arange = lambda n: torch.arange(n, dtype=torch.int64, device=self.device)  # noqa: E731
+        self.sink_table = arange(Bn)
+        self.float_table = arange(Bn * self.layout.float_slots).view(Bn, -1)
+        self.quant_table = arange(Bn * self.layout.quant_slots).view(Bn, -1)
         self.seq_lens = self.seq_lens.index_select(0, index.cpu())
+
+    def clear(self, rows: Tensor) -> None:
+        """Empty sequences ``rows``: length 0, and their blocks zeroed."""
+        self.seq_lens[rows.cpu()] = 0
+        rows = rows.to(self.device)
+        for names, table in ((SINK_TENSORS, self.sink_table[rows]), (FLOAT_TENSORS, self.float_table[rows]),
+                             (QUANT_TENSORS, self.quant_table[rows])):
+            blocks = table[table >= 0]
+            for name in names:
+                getattr(self, name).index_fill_(1, blocks, 0)
+
+
+def by_table(pool: Tensor, table: Tensor, dense: bool) -> Tensor:
+    """Read a pool ``[Hkv, blocks, ...]`` through a table ``[B, n]`` (or ``[B]``): ``[Hkv, B, n, ...]``
+    (``[Hkv, B, ...]``); a view when the storage is dense, else a gather (-1 entries read the last
+    block: they hold no visible token)."""
+    if dense:
+        return pool.view(pool.shape[0], *table.shape, *pool.shape[2:])
+    return pool[:, table]
 
 
 def gather(storage: LayerStorage, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """Every slot, dequantized (the reference read): k, v ``[B, Hkv, N, D]`` in ``dtype`` and
     their positions ``[B, N]`` (-1: empty)."""
-    cfg = storage.layout.config
-    sink_pos, quant_pos, float_pos = storage.layout.slot_positions(storage.seq_lens.to(storage.device))
-    ks, vs = [storage.sink_k.to(dtype)], [storage.sink_v.to(dtype)]
+    s, cfg = storage, storage.layout.config
+    sink_pos, quant_pos, float_pos = s.layout.slot_positions(s.seq_lens.to(s.device))
+    read = lambda name, table: by_table(getattr(s, name), table, s.dense)  # noqa: E731
+    ks, vs = [read("sink_k", s.sink_table).to(dtype)], [read("sink_v", s.sink_table).to(dtype)]  # [Hkv, B, S, D]
     if quant_pos.shape[1]:
-        B, H, nq, bs, _ = storage.key_codes.shape
-        ks.append(quant.dequantize_key_blocks(storage.key_codes, storage.key_scale, storage.key_zero, cfg.bits)
-                  .reshape(B, H, nq * bs, -1).to(dtype))
-        vs.append(quant.dequantize_values(storage.value_codes, storage.value_scale, storage.value_zero, cfg.bits,
-                                          cfg.value_group_size).reshape(B, H, nq * bs, -1).to(dtype))
-    ks.append(storage.float_k.to(dtype))
-    vs.append(storage.float_v.to(dtype))
-    return torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat((sink_pos, quant_pos, float_pos), dim=1)
+        t = s.quant_table
+        ks.append(quant.dequantize_key_blocks(read("key_codes", t), read("key_scale", t), read("key_zero", t),
+                                              cfg.bits).flatten(2, 3).to(dtype))
+        vs.append(quant.dequantize_values(read("value_codes", t), read("value_scale", t), read("value_zero", t),
+                                          cfg.bits, cfg.value_group_size).flatten(2, 3).to(dtype))
+    ks.append(read("float_k", s.float_table).flatten(2, 3).to(dtype))
+    vs.append(read("float_v", s.float_table).flatten(2, 3).to(dtype))
+    k, v = (torch.cat(x, dim=2).transpose(0, 1) for x in (ks, vs))
+    return k, v, torch.cat((sink_pos, quant_pos, float_pos), dim=1)
+

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .storage import LayerStorage
-
-_QUANT_TENSORS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
+from .storage import QUANT_TENSORS, LayerStorage
 
 
 @dataclass
@@ -45,9 +43,14 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
     if k.shape[2] == 1 and min(lengths) == 1 and len(set(n0)) == 1 and _stays_float(storage.layout, n0[0]):
         # the common decode step: one token per row into the float ring, no block completes, nothing
         # the shorter stream reads is overwritten (the row held a token already quantized or empty)
-        row = (n0[0] - storage.layout.sink_tokens) % storage.layout.float_rows
-        storage.float_k[:, :, row].copy_(k[:, :, 0])
-        storage.float_v[:, :, row].copy_(v[:, :, 0])
+        L, s = storage.layout, storage
+        row = (n0[0] - L.sink_tokens) % L.float_rows
+        for ring, x in ((s.float_k, k), (s.float_v, v)):
+            if s.dense:  # each sequence's float ring is one run of rows: a strided copy
+                ring.view(ring.shape[0], len(n0), L.float_rows, -1)[:, :, row].copy_(x[:, :, 0].transpose(0, 1))
+            else:
+                ring[:, s.float_table[:, row // L.block_size], row % L.block_size] = \
+                    x[:, :, 0].transpose(0, 1).to(ring.dtype)
         storage.seq_lens += 1
         return Undo(before, [])
     if len(set(n0)) == 1 and len(set(lengths)) == 1:
@@ -106,7 +109,7 @@ def _plan(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> _Plan:
     if end > start:
         blocks = []
         for ring, x in ((s.float_k, recent[0] if recent else None), (s.float_v, recent[1] if recent else None)):
-            parts = [ring[:, :, _float_index(s, start, min(m0, end))]] if start < m0 else []
+            parts = [ring[_float_index(s, start, min(m0, end))].transpose(0, 1)] if start < m0 else []
             if end > lo:  # window_dtype first: a block is quantized from its window_dtype values
                 parts.append(x[:, :, :end - lo].to(cfg.window_dtype))
             tokens = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
@@ -127,25 +130,22 @@ def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
     saved = []
     if p.quantized is not None:
         slots = torch.arange(p.first, p.q1, device=s.device) % L.quant_slots
+        where = (slice(None), s.quant_table[:, slots])                        # pool[where]: [Hkv, B, n, ...]
         if p.q0 > L.first_kept_block(p.m0):  # the shorter stream's live blocks may share these slots
-            saved += [_save(getattr(s, name), (slice(None), slice(None), slots)) for name in _QUANT_TENSORS]
-        for name, src in zip(_QUANT_TENSORS, p.quantized):
-            getattr(s, name).index_copy_(2, slots, src)
+            saved += [_save(getattr(s, name), where) for name in QUANT_TENSORS]
+        for name, src in zip(QUANT_TENSORS, p.quantized):
+            getattr(s, name)[where] = src.transpose(0, 1)
     if p.n_sink:  # sink slots past the old length: nothing live is overwritten
-        s.sink_k[:, :, p.n0:p.n0 + p.n_sink] = p.k[:, :, :p.n_sink].to(cfg.sink_dtype)
-        s.sink_v[:, :, p.n0:p.n0 + p.n_sink] = p.v[:, :, :p.n_sink].to(cfg.sink_dtype)
+        where = (slice(None), s.sink_table[:, None], torch.arange(p.n0, p.n0 + p.n_sink, device=s.device))
+        s.sink_k[where] = p.k[:, :, :p.n_sink].transpose(0, 1).to(cfg.sink_dtype)
+        s.sink_v[where] = p.v[:, :, :p.n_sink].transpose(0, 1).to(cfg.sink_dtype)
     if p.float_k is not None:
         n, F = p.float_k.shape[2], L.float_rows
-        r0 = (p.m1 - n) % F
-        rows = slice(r0, r0 + n) if r0 + n <= F else _float_index(s, p.m1 - n, p.m1)  # a slice unless it wraps
-        where = (slice(None), slice(None), rows)
+        where = _float_index(s, p.m1 - n, p.m1)
         if p.m1 - F > p.q0 * bs:  # new rows land on rows holding the shorter stream's float tokens
             saved += [_save(t, where) for t in (s.float_k, s.float_v)]
         for ring, x in ((s.float_k, p.float_k), (s.float_v, p.float_v)):
-            if isinstance(rows, slice):
-                ring[where].copy_(x)  # (cast to window_dtype by the copy)
-            else:
-                ring.index_copy_(2, rows, x.to(ring.dtype))
+            ring[where] = x.transpose(0, 1).to(ring.dtype)
     s.seq_lens += T  # in place: a row view writes through to the whole storage's lengths
     return saved
 
@@ -185,28 +185,32 @@ def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], qu
         for ring, x in ((s.float_k, k), (s.float_v, v)):
             xb = x[fr, :, 0].to(cfg.window_dtype).unsqueeze(1)                          # [n, 1, Hkv, D]
             if F:  # the block's other tokens are in the float ring (empty when bs == 1 and R == 0: never read)
-                xb = torch.where(new.view(*new.shape, 1, 1), xb, ring[fr.unsqueeze(1), :, tok % F])
+                held = ring[:, s.float_table[fr.unsqueeze(1), tok % F // bs], tok % bs]    # [Hkv, n, bs, D]
+                xb = torch.where(new.view(*new.shape, 1, 1), xb, held.permute(1, 2, 0, 3))
             blocks.append(xb.transpose(1, 2))                                           # [n, Hkv, bs, D]
         quantized = (quantizer.quantize_key_blocks(blocks[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
                      + quantizer.quantize_values(blocks[1].unsqueeze(2), cfg.bits, cfg.value_group_size,
                                                  cfg.scale_dtype))
     saved = []  # what the shorter stream reads and this step overwrites: a completing block's slot, live rows
     if live_rows:
-        where_f = (idx(live_rows), slice(None), idx([float_row[float_rows.index(b)] for b in live_rows]))
+        row = idx([float_row[float_rows.index(b)] for b in live_rows])
+        where_f = (slice(None), s.float_table[idx(live_rows), row // bs], row % bs)
         saved += [_save(t, where_f) for t in (s.float_k, s.float_v)]
     if full_rows:
-        where_q = (fr, slice(None), blk % nq)
-        saved += [_save(getattr(s, name), where_q) for name in _QUANT_TENSORS]
-        for name, src in zip(_QUANT_TENSORS, quantized):
-            getattr(s, name)[where_q] = src.squeeze(2)
+        where_q = (slice(None), s.quant_table[fr, blk % nq])                            # pool[where_q]: [Hkv, n, ...]
+        saved += [_save(getattr(s, name), where_q) for name in QUANT_TENSORS]
+        for name, src in zip(QUANT_TENSORS, quantized):
+            getattr(s, name)[where_q] = src.squeeze(2).transpose(0, 1)
     if sink_rows:
         sr, sp = idx(sink_rows), idx(sink_pos)
-        s.sink_k[sr, :, sp] = k[sr, :, 0].to(cfg.sink_dtype)
-        s.sink_v[sr, :, sp] = v[sr, :, 0].to(cfg.sink_dtype)
+        where = (slice(None), s.sink_table[sr], sp)
+        s.sink_k[where] = k[sr, :, 0].transpose(0, 1).to(cfg.sink_dtype)
+        s.sink_v[where] = v[sr, :, 0].transpose(0, 1).to(cfg.sink_dtype)
     if float_rows:
         fr2, row = idx(float_rows), idx(float_row)
-        s.float_k[fr2, :, row] = k[fr2, :, 0].to(cfg.window_dtype)
-        s.float_v[fr2, :, row] = v[fr2, :, 0].to(cfg.window_dtype)
+        where = (slice(None), s.float_table[fr2, row // bs], row % bs)
+        s.float_k[where] = k[fr2, :, 0].transpose(0, 1).to(cfg.window_dtype)
+        s.float_v[where] = v[fr2, :, 0].transpose(0, 1).to(cfg.window_dtype)
     s.seq_lens[rows] += 1
     return saved
 
@@ -222,9 +226,12 @@ def _save(t: Tensor, index: tuple) -> tuple[Tensor, tuple, Tensor]:
     return t, index, t[index].clone()
 
 
-def _float_index(s: LayerStorage, r0: int, r1: int) -> Tensor:
-    """Float-ring rows of recent tokens r0 .. r1-1."""
-    return torch.arange(r0, r1, device=s.device) % s.layout.float_rows
+def _float_index(s: LayerStorage, r0: int, r1: int) -> tuple:
+    """Where recent tokens r0 .. r1-1 of every row of ``s`` sit in the float pools: ``pool[index]`` is
+    ``[Hkv, B, r1 - r0, D]``."""
+    rows = torch.arange(r0, r1, device=s.device) % s.layout.float_rows
+    bs = s.layout.block_size
+    return slice(None), s.float_table[:, rows // bs], rows % bs
 
 
 # --- forgetting the newest tokens ----------------------------------------------------------------

@@ -94,7 +94,7 @@ def filled_layer(cfg, lengths, Hkv, seed=0, rotary=None):
         singles.append(c.layers[0])
     batch = SinkQuantCache(cfg, 1, len(lengths), Hkv, D, dtype=torch.float32, rotary=rotary, backend="torch").layers[0]
     for name, t in batch.tensors().items():
-        t.copy_(torch.cat([s.tensors()[name] for s in singles]))
+        t.copy_(torch.cat([s.tensors()[name] for s in singles], dim=1))  # pools are [Hkv, blocks, ...]
     batch.seq_lens.copy_(torch.tensor(lengths))
     return batch, singles
 
@@ -104,6 +104,8 @@ def on_device(layer):
     moved = copy.copy(layer)
     for name, t in layer.tensors().items():
         setattr(moved, name, t.to(DEVICE))
+    for name in ("sink_table", "float_table", "quant_table"):
+        setattr(moved, name, getattr(layer, name).to(DEVICE))
     return moved
 
 

@@ -73,9 +73,20 @@ class SinkQuantCache:
         self.dtype = dtype
         self.rotary = rotary
         self.ops = select_ops(backend, self.device, head_dim, rotary)
-        self.layers = [LayerStorage.allocate(self.layout, batch_size, num_kv_heads, head_dim, self.device)
-                       for _ in range(num_layers)]
+        self.layers = self._allocate(num_layers, batch_size, num_kv_heads, head_dim)
         self._undo: list[write.Undo | None] = [None] * num_layers  # each layer's last append
+
+    def _allocate(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int) -> list[LayerStorage]:
+        """One dense storage per layer: each sequence owns its blocks from the start."""
+        return [LayerStorage.allocate(self.layout, batch_size, num_kv_heads, head_dim, self.device)
+                for _ in range(num_layers)]
+
+    def _reserve(self, layer: int, lens: list[int]) -> None:
+        """Blocks for ``lens`` more tokens per sequence of ``layer``, before any is stored (a dense cache
+        has them all)."""
+
+    def _release_unneeded(self) -> None:
+        """Give back blocks the current lengths no longer need (a dense cache keeps them all)."""
 
     # --- sizes (read from the storage: one holder each) -------------------------------------
     @property
@@ -134,6 +145,7 @@ class SinkQuantCache:
         for i, layer in enumerate(self.layers):
             layer.clear(torch.arange(self.batch_size, device=self.device) if rows is None else rows)
             self._undo[i] = None
+        self._release_unneeded()
 
     def crop(self, tokens) -> None:
         """Forget the newest ``tokens`` (an int, or ``[B]`` per sequence) of every layer; refused, with
@@ -160,6 +172,7 @@ class SinkQuantCache:
         for i, (layer, cut) in enumerate(zip(self.layers, cuts)):
             layer.seq_lens -= torch.tensor(cut, dtype=torch.int64)
             self._undo[i] = None
+        self._release_unneeded()
 
     def select_batch(self, index) -> None:
         """Keep (or reorder, or repeat) sequences: storage ``[B, ...] -> [len(index), ...]``.
@@ -178,6 +191,7 @@ class SinkQuantCache:
         before = self.layers[layer].seq_lens.clone()
         try:
             lens = self._check_kv(layer, k, v, lengths)
+            self._reserve(layer, lens)
             self._undo[layer] = write.append(self.layers[layer], k, v, lens, self.ops.quantizer)
         except BaseException as e:
             self._roll_back_step(layer, before, e)
@@ -196,6 +210,7 @@ class SinkQuantCache:
         before = self.layers[layer].seq_lens.clone()
         try:
             lens = self._check_kv(layer, k, v, lengths, q=q, scale=scale, sink_logits=sink_logits)
+            self._reserve(layer, lens)
             return self._attend(layer, q, k, v, lens, scale, sink_logits)
         except BaseException as e:
             self._roll_back_step(layer, before, e)
@@ -233,6 +248,7 @@ class SinkQuantCache:
                 self._undo[i] = None
             elif i == layer or bool((storage.seq_lens > before).any()):
                 stuck.append(i)
+        self._release_unneeded()
         if stuck:
             error.add_note(f"qsinkkv: layers {stuck} could not be rolled back to the refused step's lengths; the "
                            f"cache's layers hold {self.layer_lengths()} tokens (longest sequence): crop or reset() "
@@ -268,6 +284,8 @@ class SinkQuantCache:
         K/V finite in the dtype they will be stored in, and for ``attend`` q finite and sink_logits
         free of NaN and +inf. Returns the new tokens per row."""
         B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
+        if not B:
+            raise ValueError("the cache holds no sequence: admit() one first")
         shape = f"[B={B}, Hkv={H}, T, D={D}]"
         for name, x in (("k", k), ("v", v)):
             self._check_tensor(name, x, shape)

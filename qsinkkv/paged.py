@@ -149,8 +149,11 @@ class PagedCache(SinkQuantCache):
     def select_batch(self, index) -> None:
         """Keep (or reorder) sequences: the rows not kept are released. Repeating a row (beam search)
         would share its blocks between sequences, and is refused."""
-        index = self._batch_index(index, allow_repeats=False)
-        self._keep_rows(index.tolist())
+        rows = self._batch_index(index).tolist()
+        if len(set(rows)) < len(rows):
+            raise ValueError(f"a paged cache cannot repeat sequences (beam search would share their blocks), got "
+                             f"rows {rows}; use SinkQuantCache for beam search")
+        self._keep_rows(rows)
 
     def _row_of(self, seq_id) -> int:
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id not in self.seq_ids:
@@ -181,7 +184,13 @@ class PagedCache(SinkQuantCache):
     def reserve(self, lengths) -> StepMetadata:
         """Take the blocks a step of ``lengths[b]`` new tokens per sequence will write (all or none:
         ``PoolExhausted`` leaves the pool as it was), and describe the step. ``attend`` and ``append``
-        reserve by themselves; call this to schedule (or to fail) before the model runs."""
+        reserve by themselves; call this to schedule (or to fail) before the model runs.
+
+        lengths: ``[B]`` in row order, or a dict ``{seq_id: new tokens}`` (absent ids: 0)."""
+        if isinstance(lengths, dict):
+            for seq_id in lengths:
+                self._row_of(seq_id)  # KeyError naming the admitted ids
+            lengths = [lengths.get(seq_id, 0) for seq_id in self.seq_ids]
         lens = self._per_sequence("lengths", lengths)
         if lens and min(lens) < 0:
             raise ValueError(f"lengths must be >= 0 (new tokens per sequence), got {lens}")

@@ -1,0 +1,277 @@
+"""The paged block pool: sequences admitted, stepped (decode and prefill chunks mixed) and released
+over one pool give each sequence the answer it gets alone through the plain cache (and the float64
+oracle's), hold exactly the blocks their lengths need, and never share or leak a block."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import attention_oracle, bf16_exact, stored_history
+from test_ragged import rel
+
+from qsinkkv import CacheConfig, Rotary, SinkQuantCache, gather
+from qsinkkv.paged import PagedCache, PoolExhausted, block_bytes
+
+HKV, G, D = 2, 2, 8
+ROT = Rotary.from_schedule(D, base=100.0)
+
+
+def held_blocks(cache):
+    """Per kind, the blocks the tables name (each must appear once)."""
+    first = cache.layers[0]
+    return {"sink": first.sink_table.tolist(),
+            "float": [x for x in first.float_table.flatten().tolist() if x >= 0],
+            "quant": [x for x in first.quant_table.flatten().tolist() if x >= 0]}
+
+
+def check_accounting(cache):
+    """Blocks held = what the lengths need; none shared between sequences; held + free = the pool."""
+    held = held_blocks(cache)
+    L, bs = cache.layout, cache.config.block_size
+    lens = torch.stack([layer.seq_lens for layer in cache.layers]).amax(0).tolist() if cache.batch_size else []
+    m = [L.recent_count(n) for n in lens]
+    assert len(held["float"]) == sum(min(-(-x // bs), L.float_slots) for x in m)
+    assert len(held["quant"]) == sum(min(L.quantized_blocks(x), L.quant_slots) for x in m)
+    assert len(held["sink"]) == cache.batch_size
+    for kind, blocks in held.items():
+        free = cache._free[kind]
+        assert len(set(blocks)) == len(blocks), f"a {kind} block is shared"
+        assert not set(blocks) & set(free), f"a held {kind} block is also free"
+        assert sorted(blocks + free) == list(range(cache._sizes[kind])), f"{kind} blocks leaked or duplicated"
+    assert cache.blocks_in_use() == {kind: len(b) for kind, b in held.items()}
+    sizes = block_bytes(cache.config, HKV, D)
+    assert cache.nbytes_in_use() == cache.num_layers * sum(sizes[k] * len(b) for k, b in held.items())
+    for layer in cache.layers:  # tables are shared by every layer
+        assert layer.quant_table is cache.layers[0].quant_table and layer.float_table is cache.layers[0].float_table
+
+
+def snapshot(cache):
+    return (cache.seq_ids[:], {k: v[:] for k, v in cache._free.items()},
+            [(layer.seq_lens.clone(), layer.sink_table.clone(), layer.float_table.clone(), layer.quant_table.clone(),
+              {n: t.clone() for n, t in layer.tensors().items()}) for layer in cache.layers])
+
+
+def assert_unchanged(cache, snap):
+    ids, free, layers = snap
+    assert cache.seq_ids == ids and cache._free == free
+    for layer, (lens, st_, ft, qt, tensors) in zip(cache.layers, layers):
+        assert torch.equal(layer.seq_lens, lens)
+        assert torch.equal(layer.sink_table, st_) and torch.equal(layer.float_table, ft)
+        assert torch.equal(layer.quant_table, qt)
+        for name, t in layer.tensors().items():
+            assert torch.equal(t, tensors[name]), name
+
+
+OPS = st.one_of(st.tuples(st.just("admit")), st.tuples(st.just("release"), st.integers(0, 7)),
+                st.tuples(st.just("step"), st.lists(st.sampled_from([0, 1, 1, 1, 2, 5, 9]), min_size=8, max_size=8)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([16, 8, 4]), S=st.integers(0, 3), W=st.integers(1, 10), bs=st.integers(1, 4),
+       R=st.integers(0, 3), rope=st.booleans(), seed=st.integers(0, 2**31),
+       ops=st.lists(OPS, min_size=1, max_size=25))
+def test_schedule_equals_each_sequence_alone(bits, S, W, bs, R, rope, seed, ops):
+    """Random admit / step / release schedules over a pool with room for 3 sequences: every output
+    equals the sequence's own plain cache and the float64 oracle; the accounting holds after every
+    call; bad calls (unknown or released ids, a full pool) raise and change nothing."""
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=2,
+                      residual_tokens=min(R, W), positions="cache_index" if rope else "absolute")
+    rotary = ROT if rope else None
+    layers = 2
+    pool = PagedCache.for_bytes(cfg, layers, HKV, D, 3 * _sequence_bytes(cfg, layers), dtype=torch.float32,
+                                rotary=rotary)
+    assert pool._sizes["sink"] == 3
+    g = torch.Generator().manual_seed(seed)
+    alone, history, released = {}, {}, []
+    for op in ops + [("step", [1] * 8)]:
+        if op[0] == "admit":
+            if pool.batch_size == 3:
+                snap = snapshot(pool)
+                with pytest.raises(PoolExhausted, match="max_seqs=3"):
+                    pool.admit()
+                assert_unchanged(pool, snap)
+                continue
+            sid = pool.admit()
+            alone[sid] = SinkQuantCache(cfg, layers, 1, HKV, D, dtype=torch.float32, rotary=rotary)
+            history[sid] = []
+        elif op[0] == "release":
+            if not pool.seq_ids or op[1] % 2 and released:  # a released id (or none): refused, nothing changes
+                snap = snapshot(pool)
+                with pytest.raises(KeyError, match="admitted sequence id"):
+                    pool.release(released[-1] if released else 99)
+                assert_unchanged(pool, snap)
+                continue
+            sid = pool.seq_ids[op[1] % pool.batch_size]
+            pool.release(sid)
+            released.append(sid)
+        elif pool.batch_size:
+            lens = op[1][:pool.batch_size]
+            T = max(max(lens), 1)
+            if released:  # a step naming a released sequence
+                snap = snapshot(pool)
+                with pytest.raises(KeyError, match="admitted sequence id"):
+                    pool.reserve({released[-1]: 1})
+                assert_unchanged(pool, snap)
+            B = pool.batch_size
+            q, k, v = (bf16_exact(B, h, T, D, generator=g) for h in (HKV * G, HKV, HKV))
+            for layer in range(layers):
+                out = pool.attend(layer, q, k, v, lens)
+                for b, (sid, t) in enumerate(zip(pool.seq_ids, lens)):
+                    if t == 0:
+                        assert out[b].abs().max() == 0
+                        continue
+                    n0 = alone[sid].get_seq_length(layer)
+                    own = alone[sid].attend(layer, q[b:b + 1, :, :t], k[b:b + 1, :, :t], v[b:b + 1, :, :t])
+                    assert rel(out[b:b + 1, :, :t], own) < 1e-5
+                    if layer:
+                        continue
+                    history[sid].append((k[b:b + 1, :, :t], v[b:b + 1, :, :t]))
+                    hk, hv = (torch.cat([h[i] for h in history[sid]], 2) for i in (0, 1))
+                    if t == 1:
+                        kv = stored_history(hk, hv, n0 + 1, cfg)
+                    else:
+                        prior = stored_history(hk, hv, n0, cfg)
+                        kv = tuple(torch.cat((p, h[:, :, n0:].double()), 2) for p, h in zip(prior, (hk, hv)))
+                    ref = attention_oracle(q[b:b + 1, :, :t], lambda i: kv, S, W, range(n0, n0 + t), rotary)
+                    assert rel(out[b:b + 1, :, :t], ref) < 1e-5
+        check_accounting(pool)
+    for b, sid in enumerate(pool.seq_ids):  # storage read through the tables = the sequence's own
+        assert pool.seq_lens()[b] == alone[sid].seq_length
+        kp, vp, pos = gather(pool.layers[1], torch.float32)
+        ka, va, pa = gather(alone[sid].layers[1], torch.float32)
+        seen = pos[b] >= 0
+        assert torch.equal(pos[b][seen], pa[0][pa[0] >= 0])
+
+
+def _sequence_bytes(cfg, layers):
+    from qsinkkv.layout import WindowLayout
+    L, sizes = WindowLayout(cfg), block_bytes(cfg, HKV, D)
+    return layers * (sizes["sink"] + L.float_slots * sizes["float"] + L.quant_slots * sizes["quant"])
+
+
+def test_pool_exhausted_changes_nothing_and_release_makes_room():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
+    pool = PagedCache(cfg, 2, HKV, D, max_seqs=3, float_blocks=3, quant_blocks=5, dtype=torch.float32)
+    a, b = pool.admit(), pool.admit()
+    draw = lambda T: tuple(torch.randn(2, h, T, D) for h in (HKV * G, HKV, HKV))  # noqa: E731
+    for layer in range(2):
+        pool.attend(layer, *draw(6))      # 4 recent tokens each: 2 quantized blocks each, 4 of 5 taken
+    snap = snapshot(pool)
+    with pytest.raises(PoolExhausted, match="quant blocks"):
+        pool.attend(0, *draw(4))          # both sequences fill their rings: 8 quantized blocks > 5
+    assert_unchanged(pool, snap)
+    with pytest.raises(PoolExhausted, match="quant blocks"):
+        pool.reserve([4, 4])
+    assert_unchanged(pool, snap)
+    pool.release(a)
+    check_accounting(pool)
+    assert pool.seq_ids == [b]
+    one = tuple(x[:1] for x in draw(4))
+    for layer in range(2):
+        pool.attend(layer, *one)
+    check_accounting(pool)
+
+
+def test_refused_step_in_a_later_layer_gives_its_new_blocks_back():
+    """A NaN in layer 1 rolls layer 0 back and returns the blocks layer 0's store took."""
+    cfg = CacheConfig(sink_tokens=1, recent_tokens=6, bits=8, block_size=2, value_group_size=4)
+    pool = PagedCache(cfg, 2, HKV, D, max_seqs=2, float_blocks=4, quant_blocks=6, dtype=torch.float32)
+    pool.admit()
+    q, k, v = (torch.randn(1, h, 3, D) for h in (HKV * G, HKV, HKV))
+    for layer in range(2):
+        pool.attend(layer, q, k, v)
+    snap = snapshot(pool)
+    q, k, v = (torch.randn(1, h, 6, D) for h in (HKV * G, HKV, HKV))
+    pool.attend(0, q, k, v)
+    assert pool.blocks_in_use()["quant"] > len(snap[2][0][3][snap[2][0][3] >= 0])  # layer 0 took blocks
+    bad = k.clone()
+    bad[0, 0, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        pool.attend(1, q, bad, v)
+    assert_unchanged(pool, snap)
+    check_accounting(pool)
+
+
+def test_packed_input_equals_padded_and_slot_mapping_names_where_tokens_land():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=9, bits=4, block_size=3, value_group_size=4, residual_tokens=2)
+    padded = PagedCache(cfg, 1, HKV, D, max_seqs=3, float_blocks=9, quant_blocks=9, dtype=torch.float32)
+    packed = PagedCache(cfg, 1, HKV, D, max_seqs=3, float_blocks=9, quant_blocks=9, dtype=torch.float32)
+    for c in (padded, packed):
+        c.admit(), c.admit(), c.admit()
+    g = torch.Generator().manual_seed(3)
+    for lens in ([5, 0, 2], [1, 1, 1], [0, 7, 1], [13, 1, 0], [1, 1, 1]):
+        T = max(lens)
+        q, k, v = (torch.randn(3, h, T, D, generator=g) for h in (HKV * G, HKV, HKV))
+        real = torch.arange(T) < torch.tensor(lens).unsqueeze(1)
+        meta = packed.reserve(lens)
+        assert meta.query_start_loc.tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
+        pack = lambda x: x.transpose(1, 2)[real]  # noqa: E731
+        out = packed.attend_packed(0, pack(q), pack(k), pack(v), meta.query_start_loc)
+        ref = padded.attend(0, q, k, v, lens)
+        assert torch.equal(out, pack(ref))
+        assert meta.seq_lens.tolist() == packed.seq_lens().tolist()
+        new_k = pack(k)                                                   # [N, Hkv, D]
+        ring = packed.layers[0].float_k                                   # [Hkv, blocks, bs, D]
+        flat = ring.flatten(1, 2)
+        for i, slot in enumerate(meta.slot_mapping.tolist()):
+            if slot >= 0:
+                assert torch.equal(flat[:, slot], new_k[i].to(ring.dtype))
+        assert (meta.slot_mapping >= 0).any()
+    with pytest.raises(ValueError, match="query_start_loc must be"):
+        packed.attend_packed(0, torch.randn(3, HKV * G, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D), [0, 1, 2])
+
+
+def test_bad_sizes_and_calls_are_named():
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
+    with pytest.raises(ValueError, match="quant_blocks must be an int >= 4"):
+        PagedCache(cfg, 1, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=3)
+    with pytest.raises(ValueError, match="max_seqs must be an int >= 1"):
+        PagedCache(cfg, 1, HKV, D, max_seqs=0, float_blocks=2, quant_blocks=4)
+    with pytest.raises(ValueError, match="pool_bytes must be an int >="):
+        PagedCache.for_bytes(cfg, 1, HKV, D, 10)
+    pool = PagedCache(cfg, 1, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="admit"):
+        pool.attend(0, torch.randn(0, 4, 1, D), torch.randn(0, HKV, 1, D), torch.randn(0, HKV, 1, D))
+    a = pool.admit()
+    pool.admit()
+    with pytest.raises(ValueError, match="cannot repeat"):
+        pool.select_batch([0, 0])
+    pool.select_batch([1])
+    assert pool.seq_ids == [a + 1]
+    check_accounting(pool)
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_triton_kernel_reads_the_block_table(bits):
+    """The decode kernel on a paged storage whose blocks are scattered (sequences admitted and
+    released in between) equals the reference read through the same tables."""
+    from conftest import DEVICE, KERNEL_TOL
+
+    from qsinkkv.decode import decode_attention_reference
+    from qsinkkv.kernels import decode_attention
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=bits, block_size=4, value_group_size=8)
+    pool = PagedCache(cfg, 1, HKV, 16, max_seqs=4, float_blocks=12, quant_blocks=12, dtype=torch.float32,
+                      device=DEVICE, backend="triton")
+    g = torch.Generator().manual_seed(bits)
+    draw = lambda B, T: tuple(torch.randn(B, h, T, 16, generator=g).to(DEVICE) for h in (HKV * G, HKV, HKV))  # noqa
+    ids = [pool.admit() for _ in range(3)]
+    pool.attend(0, *draw(3, 9), [9, 2, 5])
+    pool.release(ids[0])
+    pool.admit()
+    for lens in ([7, 3, 13], [1, 1, 1], [0, 1, 1]):
+        out = pool.attend(0, *draw(3, max(lens)), lens)
+        assert torch.isfinite(out).all()
+    layer = pool.layers[0]
+    table = (layer.quant_table if bits != 16 else layer.float_table).flatten().tolist()
+    assert not layer.dense and len(set(table) - {-1}) > 3 and table != sorted(table)  # scattered blocks
+    q = torch.randn(3, HKV * G, 16, generator=g).to(DEVICE)
+    ref = decode_attention_reference(q.cpu(), _on_cpu(layer))
+    out = decode_attention(q, layer, num_splits=2).cpu()
+    assert rel(out, ref) < KERNEL_TOL
+
+
+def _on_cpu(layer):
+    import copy
+    moved = copy.copy(layer)
+    for name in ("sink_table", "float_table", "quant_table", *layer.tensors()):
+        setattr(moved, name, getattr(layer, name).cpu())
+    return moved

@@ -95,8 +95,7 @@ class PagedCache(SinkQuantCache):
         (default: that many) sets the sink pages, for more sequences that stay shorter."""
         sizes = block_bytes(config, num_kv_heads, head_dim)
         layout = WindowLayout(config)
-        per_seq = num_layers * (sizes["sink"] + layout.float_slots * sizes["float"]
-                                + layout.quant_slots * sizes["quant"])
+        per_seq = sequence_bytes(config, num_layers, num_kv_heads, head_dim)
         full = pool_bytes // per_seq if isinstance(pool_bytes, int) and not isinstance(pool_bytes, bool) else 0
         if full < 1:
             raise ValueError(f"pool_bytes must be an int >= {per_seq} (one sequence at capacity {config.capacity} "
@@ -316,3 +315,9 @@ def block_bytes(config: CacheConfig, num_kv_heads: int, head_dim: int) -> dict[s
                                      sink_pages=1, float_blocks=1, quant_blocks=1)
     return {kind: sum(getattr(one, n).numel() * getattr(one, n).element_size() for n in _KIND_TENSORS[kind])
             for kind in KINDS}
+
+
+def sequence_bytes(config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes one sequence holds at (and past) the capacity: its sink page and full rings, all layers."""
+    sizes, layout = block_bytes(config, num_kv_heads, head_dim), WindowLayout(config)
+    return num_layers * (sizes["sink"] + layout.float_slots * sizes["float"] + layout.quant_slots * sizes["quant"])

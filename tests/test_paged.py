@@ -9,7 +9,7 @@ from oracle import attention_oracle, bf16_exact, stored_history
 from test_ragged import rel
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, gather
-from qsinkkv.paged import PagedCache, PoolExhausted, block_bytes
+from qsinkkv.paged import PagedCache, PoolExhausted, block_bytes, sequence_bytes
 
 HKV, G, D = 2, 2, 8
 ROT = Rotary.from_schedule(D, base=100.0)
@@ -77,7 +77,7 @@ def test_schedule_equals_each_sequence_alone(bits, S, W, bs, R, rope, seed, ops)
                       residual_tokens=min(R, W), positions="cache_index" if rope else "absolute")
     rotary = ROT if rope else None
     layers = 2
-    pool = PagedCache.for_bytes(cfg, layers, HKV, D, 3 * _sequence_bytes(cfg, layers), dtype=torch.float32,
+    pool = PagedCache.for_bytes(cfg, layers, HKV, D, 3 * sequence_bytes(cfg, layers, HKV, D), dtype=torch.float32,
                                 rotary=rotary)
     assert pool._sizes["sink"] == 3
     g = torch.Generator().manual_seed(seed)
@@ -140,12 +140,6 @@ def test_schedule_equals_each_sequence_alone(bits, S, W, bs, R, rope, seed, ops)
         ka, va, pa = gather(alone[sid].layers[1], torch.float32)
         seen = pos[b] >= 0
         assert torch.equal(pos[b][seen], pa[0][pa[0] >= 0])
-
-
-def _sequence_bytes(cfg, layers):
-    from qsinkkv.layout import WindowLayout
-    L, sizes = WindowLayout(cfg), block_bytes(cfg, HKV, D)
-    return layers * (sizes["sink"] + L.float_slots * sizes["float"] + L.quant_slots * sizes["quant"])
 
 
 def test_pool_exhausted_changes_nothing_and_release_makes_room():

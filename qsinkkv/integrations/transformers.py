@@ -36,6 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..attention import visible_mask
 from ..cache import SinkQuantCache
 from ..config import CacheConfig
+from ..paged import PagedCache
 from ..rope import Rotary, check_rope_type
 from ..storage import gather
 
@@ -108,11 +109,17 @@ class QSinkKVCache(Cache):
     rank holds its own heads) and never grows; ``nbytes()`` reports it. ``get_seq_length()``
     is the batch's width: the columns fed so far, pads included (what ``DynamicCache`` reports),
     counted when the last layer has stored them.
+
+    ``pool``: a ``qsinkkv.paged.PagedCache`` built with the same config and the model's layer
+    count, for continuous batching (``examples/serve.py``): the batch's rows are the sequences
+    the caller admitted into it, each at its own length (pass each row's ``position_ids`` and a
+    2D ``attention_mask`` whose last columns mark the chunk's real tokens); needs
+    ``attn_implementation="qsinkkv"``.
     """
 
     is_compileable = False
 
-    def __init__(self, config: CacheConfig, model_config, backend: str = "auto"):
+    def __init__(self, config: CacheConfig, model_config, backend: str = "auto", pool: PagedCache | None = None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a qsinkkv CacheConfig, got {type(config).__name__}")
         tp_size = 1
@@ -141,6 +148,14 @@ class QSinkKVCache(Cache):
         self.rotary = rotary_from_config(text) if config.positions == "cache_index" else None
         self.num_layers = text.num_hidden_layers
         self.inner: SinkQuantCache | None = None
+        if pool is not None:
+            if not isinstance(pool, PagedCache):
+                raise TypeError(f"pool must be a qsinkkv.paged.PagedCache, got {type(pool).__name__}")
+            if (pool.config, pool.num_layers) != (config, self.num_layers) or (pool.rotary is None) != (
+                    self.rotary is None):
+                raise ValueError(f"pool must be built with this config and num_layers={self.num_layers} (and rotary "
+                                 f"with positions='cache_index'), got {pool.config} with {pool.num_layers} layers")
+            self.inner = pool
         self.width = 0  # columns fed (pads included); each row's own length lives in inner.seq_lens()
         super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
 
@@ -148,6 +163,8 @@ class QSinkKVCache(Cache):
     def _storage(self, key_states: Tensor, layer_idx: int) -> SinkQuantCache:
         B, Hkv, _, D = key_states.shape
         inner = self.inner
+        if isinstance(inner, PagedCache):  # its rows are the sequences the caller admitted
+            return inner
         if inner is not None and layer_idx == 0 and (
                 (inner.batch_size, inner.num_kv_heads, inner.head_dim, inner.device, inner.dtype)
                 != (B, Hkv, D, key_states.device, key_states.dtype)) and not any(inner.layer_lengths()):
@@ -170,6 +187,9 @@ class QSinkKVCache(Cache):
                 f"qsinkkv: the cache's layers are out of step (their longest sequences hold {sorted(set(lengths))} "
                 "tokens): an earlier forward stopped part-way through the layers (an error or interrupt outside "
                 f"the cache); call cache.crop({self.width}) or cache.reset() before the next forward")
+        if isinstance(inner, PagedCache) and not self.fused:
+            raise ValueError("a QSinkKVCache backed by a pool needs attn_implementation='qsinkkv' "
+                             "(model.set_attn_implementation('qsinkkv'))")
         if self.fused:
             if forward_kwargs is None:
                 raise RuntimeError("attn_implementation='qsinkkv' needs a model that calls "

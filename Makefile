@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo test memory bench-decode bench-generate bench-prefill stream gpu-check
+.PHONY: install demo test memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -31,8 +31,14 @@ bench-generate: install
 bench-prefill: install
 	$(PYTHON) benchmarks/prefill.py
 
+bench-pool: install
+	$(PYTHON) benchmarks/pool.py
+
 stream: install
 	$(PYTHON) examples/stream_generate.py
+
+serve: install
+	$(PYTHON) examples/serve.py
 
 # On a CUDA machine with torch + triton (no install step: it uses that machine's own stack)
 gpu-check:

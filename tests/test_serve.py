@@ -1,0 +1,53 @@
+"""examples/serve.py on the real default model: requests arriving over time, admitted into the running
+batch as others finish, over one paged pool, streaming past the capacity."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qsinkkv import CacheConfig
+from qsinkkv.models import load_model
+
+_spec = importlib.util.spec_from_file_location("serve", Path(__file__).parents[1] / "examples" / "serve.py")
+serve = sys.modules["serve"] = importlib.util.module_from_spec(_spec)  # (dataclasses look their module up)
+_spec.loader.exec_module(serve)
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the model's float32 GEMMs round the same at every batch shape here
+    model, tok = load_model(dtype=torch.float32, attn_implementation="qsinkkv")
+    yield model, tok
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_serve_each_request_equals_its_run_alone(model_tok, bits):
+    model, tok = model_tok
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=60, bits=bits, block_size=16, value_group_size=32)
+    requests = serve.make_requests(tok, 4)
+    for r, new in zip(requests, (40, 30, 50, 30)):
+        r.max_new = new
+    log = []
+    stats = serve.serve(model, cfg, requests, 2, 32, log=log.append)
+    assert stats["peak_active"] == 2 == stats["max_seqs"]                 # the pool was full: requests waited
+    assert any("admit r2" in line for line in log) and not any(stats["blocks_in_use_after"].values())
+    assert stats["peak_pool_bytes"] <= stats["pool_bytes"]
+    assert all(len(r.prompt) + len(r.out) > cfg.capacity for r in requests[1:])  # streamed past the capacity
+    for r in requests:
+        alone = serve.Request(r.name, 0, r.prompt, r.max_new)
+        serve.serve(model, cfg, [alone], 1, 32, log=lambda *_: None)
+        # The model's K/V differ between batch shapes in their last float32 bits, and storing them rounds to
+        # a neighbouring bf16 value or int4 code now and then: logits drift (bits=16: ~0.04, int4: ~0.2
+        # measured). Exact for bits=16 here; int4 tokens may part only where the logits drift by more than
+        # the alone run's top-two margin (a near-tie). The cache itself is exact: test_paged.py.
+        k = next((i for i, (x, y) in enumerate(zip(alone.out, r.out)) if x != y), None)
+        if bits == 16 or k is None:
+            assert alone.out == r.out, r.name
+        else:
+            top2 = alone.logits[k].topk(2).values
+            drift = max((a - b).abs().max().item() for a, b in zip(alone.logits[:k + 1], r.logits[:k + 1]))
+            assert float(top2[0] - top2[1]) < 2 * drift < 1.0, (r.name, k)

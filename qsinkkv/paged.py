@@ -84,6 +84,12 @@ class PagedCache(SinkQuantCache):
                          rotary=rotary, backend=backend)
         # LIFO free lists: a released block is the next one taken (warm in cache)
         self._free = {kind: list(range(n - 1, -1, -1)) for kind, n in self._sizes.items()}
+        # the block tables as edited, on the host (the layers read device copies), and how many ring slots
+        # of each sequence hold a block (always a prefix of its ring)
+        self._host = {"sink": torch.empty(0, dtype=torch.int64),
+                      "float": torch.empty(0, self.layout.float_slots, dtype=torch.int64),
+                      "quant": torch.empty(0, self.layout.quant_slots, dtype=torch.int64)}
+        self._held: dict[str, list[int]] = {"float": [], "quant": []}
         self.seq_ids: list[int] = []
         self._next_id = 0
 
@@ -128,13 +134,13 @@ class PagedCache(SinkQuantCache):
             raise PoolExhausted(f"no free sequence slot: all max_seqs={self._sizes['sink']} are admitted; "
                                 "release one first")
         page = self._free["sink"].pop()
-        tables = self._tables()
-        tables["sink"] = torch.cat((tables["sink"], torch.tensor([page])))
+        self._host["sink"] = torch.cat((self._host["sink"], torch.tensor([page])))
         for kind, slots in (("float", self.layout.float_slots), ("quant", self.layout.quant_slots)):
-            tables[kind] = torch.cat((tables[kind], torch.full((1, slots), -1, dtype=torch.int64)))
+            self._host[kind] = torch.cat((self._host[kind], torch.full((1, slots), -1, dtype=torch.int64)))
+            self._held[kind].append(0)
         for layer in self.layers:
             layer.seq_lens = torch.cat((layer.seq_lens, torch.zeros(1, dtype=torch.int64)))
-        self._set_tables(tables)
+        self._push_tables()
         self._undo = [None] * self.num_layers  # an undo record holds the old rows' lengths
         self.seq_ids.append(self._next_id)
         self._next_id += 1
@@ -160,13 +166,15 @@ class PagedCache(SinkQuantCache):
         return self.seq_ids.index(seq_id)
 
     def _keep_rows(self, rows: list[int]) -> None:
-        tables = self._tables()
         dropped = sorted(set(range(self.batch_size)) - set(rows))
-        for kind in KINDS:
-            held = tables[kind][dropped]
-            self._give(kind, held[held >= 0].tolist())
         index = torch.tensor(rows, dtype=torch.int64)
-        self._set_tables({kind: t[index] for kind, t in tables.items()})
+        for kind in KINDS:
+            held = self._host[kind][dropped]
+            self._give(kind, held[held >= 0].tolist())
+            self._host[kind] = self._host[kind][index]
+        for kind in ("float", "quant"):
+            self._held[kind] = [self._held[kind][r] for r in rows]
+        self._push_tables()
         for i, layer in enumerate(self.layers):
             layer.seq_lens = layer.seq_lens[index]
             self._undo[i] = None  # rows moved: an undo record names the old ones
@@ -200,36 +208,35 @@ class PagedCache(SinkQuantCache):
         if not self.batch_size:
             raise ValueError("the cache holds no sequence: admit() one first")
         need = self._needed([n + t for n, t in zip(self.layers[layer].seq_lens.tolist(), lens)])
-        tables = self._tables()
-        missing = {kind: [(b, j) for b, k in enumerate(need[kind]) for j in range(k)
-                          if tables[kind][b, j] < 0] for kind in ("float", "quant")}
-        short = {kind: len(missing[kind]) - len(self._free[kind]) for kind in missing}
-        if any(v > 0 for v in short.values()):
+        grow = {kind: [(b, self._held[kind][b], n) for b, n in enumerate(need[kind]) if n > self._held[kind][b]]
+                for kind in ("float", "quant")}
+        count = {kind: sum(n - h for _, h, n in rows) for kind, rows in grow.items()}
+        if any(count[kind] > len(self._free[kind]) for kind in count):
             raise PoolExhausted(
                 "the pool has too few free blocks for this step: it needs "
-                + ", ".join(f"{len(missing[k])} {k} blocks ({len(self._free[k])} free)" for k in missing)
+                + ", ".join(f"{count[k]} more {k} blocks ({len(self._free[k])} free)" for k in count)
                 + "; release a sequence or give it fewer new tokens")
-        if not any(missing.values()):
+        if not any(grow.values()):  # (every layer after the first, and most steps)
             return
-        for kind, where in missing.items():
-            for b, j in where:
-                tables[kind][b, j] = self._free[kind].pop()
-        self._set_tables(tables)
+        for kind, rows in grow.items():
+            for b, h, n in rows:
+                self._host[kind][b, h:n] = torch.tensor([self._free[kind].pop() for _ in range(n - h)])
+                self._held[kind][b] = n
+        self._push_tables()
 
     def _release_unneeded(self) -> None:
         need = self._needed(self._longest())
-        tables = self._tables()
         changed = False
         for kind in ("float", "quant"):
-            for b, k in enumerate(need[kind]):
-                extra = tables[kind][b, k:]
-                held = extra[extra >= 0].tolist()
-                if held:
-                    self._give(kind, held)
-                    extra.fill_(-1)
+            for b, n in enumerate(need[kind]):
+                h = self._held[kind][b]
+                if h > n:
+                    self._give(kind, self._host[kind][b, n:h].tolist())
+                    self._host[kind][b, n:h] = -1
+                    self._held[kind][b] = n
                     changed = True
         if changed:
-            self._set_tables(tables)
+            self._push_tables()
 
     def _longest(self) -> list[int]:
         """Per sequence, the most tokens any layer holds (layers differ only inside a step)."""
@@ -238,14 +245,9 @@ class PagedCache(SinkQuantCache):
     def _give(self, kind: str, blocks: list[int]) -> None:
         self._free[kind].extend(reversed(blocks))
 
-    def _tables(self) -> dict[str, Tensor]:
-        """Host copies of the tables (edited, then pushed to every layer by ``_set_tables``)."""
-        first = self.layers[0]
-        return {"sink": first.sink_table.cpu().clone(), "float": first.float_table.cpu().clone(),
-                "quant": first.quant_table.cpu().clone()}
-
-    def _set_tables(self, tables: dict[str, Tensor]) -> None:
-        sink, fl, qu = (tables[k].to(self.device).contiguous() for k in KINDS)
+    def _push_tables(self) -> None:
+        """Copy the host tables (the ones edited) to the device tables every layer reads."""
+        sink, fl, qu = (self._host[k].to(self.device, copy=True).contiguous() for k in KINDS)
         for layer in self.layers:
             layer.sink_table, layer.float_table, layer.quant_table = sink, fl, qu
 
@@ -265,7 +267,7 @@ class PagedCache(SinkQuantCache):
     def _metadata(self, lens: list[int]) -> StepMetadata:
         L, bs, S = self.layout, self.config.block_size, self.config.sink_tokens
         n0 = self.layers[0].seq_lens.tolist()
-        tables = self._tables()
+        tables = {kind: t.clone() for kind, t in self._host.items()}
         slots = []
         for b, (n, t) in enumerate(zip(n0, lens)):
             m1 = L.recent_count(n + t)

@@ -160,7 +160,8 @@ def check(args) -> None:
         except ValueError as e:
             raise UsageError(f"--schemes: {e}") from None
         if scheme.bits not in args.bits:  # bf16 (16) too: the reference is always included
-            raise UsageError(f"--schemes {name} is not measured at --bits {' '.join(map(str, args.bits))}"
+            bits = "the --grid bits" if args.command == "frontier" else "--bits"
+            raise UsageError(f"--schemes {name} is not measured at {bits} {' '.join(map(str, args.bits))}"
                              + (" (bf16 is the reference and always included)" if scheme.bits == 16 else ""))
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")

@@ -196,7 +196,7 @@ def _point_rows(rows: list[dict], mark: bool = True) -> list[list[str]]:
     out = []
     ok = sorted((o for o in rows if o["status"] == "ok"), key=lambda o: (o["memory"]["bytes_per_token"], o["kl"]))
     for o in ok:
-        name = f"`{o['name']}`" + (" (ours)" if o["ours"] and o["baseline"] else "")
+        name = f"`{o['name']}`" + (" (= a grid config)" if o["ours"] and o["baseline"] else "")
         out.append([f"**{name}**" if mark and o.get("pareto") else name, *_config_cells(o), *_memory(o["memory"]),
                     _f(o["kl"], "{:.4f}"), _f(o["ppl"], "{:.3f}"), _f(o["delta_pct"], "{:+.2f}%"),
                     "yes" if o.get("pareto") else ""])

@@ -275,17 +275,27 @@ def _frontier(args, model, tok, ids) -> dict:
     from .footprint import Geometry
 
     grid, C = args.grid_spec, args.run_capacity
+    geo = Geometry.of(model)
     rec = None
+    if args.command == "tune" and frontier.CALIBRATE in grid["sinks"]:
+        # refuse a budget nothing can fit before calibrating: try every sink count calibrate can give
+        numeric = [s for s in grid["sinks"] if s != frontier.CALIBRATE]
+        maybe = list(dict.fromkeys(numeric + [s for s in range(calibrate.F + 1) if max(grid["residual"]) <= C - s]))
+        try:
+            frontier.check_budget(frontier.grid_configs(dict(grid, sinks=maybe), maybe, C, geo.head_dim,
+                                                        args.positions), args.budget_spec, geo, C)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if frontier.CALIBRATE in grid["sinks"]:
         rec = calibrate.run(model, ids, tok)["recommended_sink_tokens"]
     sinks = list(dict.fromkeys(rec if s == frontier.CALIBRATE else s for s in grid["sinks"]))
     try:
-        configs = frontier.grid_configs(grid, sinks, C, Geometry.of(model).head_dim, args.positions)
+        configs = frontier.grid_configs(grid, sinks, C, geo.head_dim, args.positions)
     except ValueError as e:
         raise UsageError(str(e) + (f" (sinks={frontier.CALIBRATE} gave {rec})" if rec is not None else "")) from None
     common = dict(tokens=int(ids.shape[1]), capacity=C, positions=args.positions, grid=grid,
                   calibrated_sink_tokens=rec, reference="bf16 cache, every token visible",
-                  bf16_bytes_per_token=Geometry.of(model).bf16_bytes_per_token)
+                  bf16_bytes_per_token=geo.bf16_bytes_per_token)
     if args.command == "tune":
         return dict(common, **frontier.tune(model, ids, configs, args.budget_spec, C, args.positions))
     only = None if not args.schemes else [] if args.schemes == ["none"] else args.schemes

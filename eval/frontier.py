@@ -271,9 +271,9 @@ class Budget:
             memory.fraction <= self.fraction
 
 
-def tune(model, ids, configs: list[CacheConfig], budget: Budget, capacity: int, positions: str) -> dict:
-    """Measure the configurations whose bytes fit ``budget``; the least KL among them (ties: fewer bytes)."""
-    geo = footprint.Geometry.of(model)
+def check_budget(configs: list[CacheConfig], budget: Budget, geo: footprint.Geometry, capacity: int
+                 ) -> list[CacheConfig]:
+    """The configurations whose real cache fits ``budget``; a ValueError naming ``--budget`` when none does."""
     sized = [(c, footprint.of_config(c, geo)) for c in configs]
     within = [c for c, m in sized if budget.fits(m)]
     if not within:
@@ -281,7 +281,15 @@ def tune(model, ids, configs: list[CacheConfig], budget: Budget, capacity: int, 
         raise ValueError(f"--budget {budget.text}: no configuration of the grid fits {budget.describe(geo)} at "
                          f"capacity {capacity}; the smallest, {config_name(smallest_config)}, holds "
                          f"{smallest.per_token:,.0f} bytes/token ({smallest.fraction:.3f} of bf16): raise the "
-                         "budget or widen --grid (e.g. bits=4, larger block and group, residual=0)")
+                         "budget, widen --grid (e.g. bits=4, larger block and group, residual=0) or raise the "
+                         "capacity (the bf16 filling block is a smaller share of a larger cache)")
+    return within
+
+
+def tune(model, ids, configs: list[CacheConfig], budget: Budget, capacity: int, positions: str) -> dict:
+    """Measure the configurations whose bytes fit ``budget``; the least KL among them (ties: fewer bytes)."""
+    geo = footprint.Geometry.of(model)
+    within = check_budget(configs, budget, geo, capacity)
     points = [Candidate(config_name(c), c, ours=True) for c in within]
     rows = measure(model, ids, points, 0, capacity, positions, desc="tune")
     ok = [r for r in rows if r["status"] == "ok"]

@@ -19,6 +19,13 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 MEMORY_HEAD = ["bytes/token", "x bf16"]
 
 
+def _kl(x) -> str:
+    """KL per token: 4 decimals, or 2 significant digits below 1e-3 (int8's 4e-5 is not 0.0000)."""
+    if x is None:
+        return "-"
+    return "0" if x == 0 else f"{x:.4f}" if x >= 1e-3 else f"{x:.1e}"
+
+
 def _memory(m: dict | None) -> list[str]:
     """Bytes per token and the fraction of bf16's, from a ``footprint.Footprint.to_dict()``."""
     if not m:
@@ -56,7 +63,7 @@ def ppl_markdown(r: dict) -> str:
             rows.append([f"`{o['scheme']}`", str(o["bits"]), "-", "-", "-", "-", "-", o["status"]])
             continue
         rows.append([f"`{o['scheme']}`", str(o["bits"]), *_memory(o.get("memory")), _f(o["ppl"], "{:.3f}"),
-                     _f(o["delta_pct"], "{:+.2f}%"), _f(o["kl"], "{:.4f}"), o["description"]])
+                     _f(o["delta_pct"], "{:+.2f}%"), _kl(o["kl"]), o["description"]])
     window = "the whole text visible" if r["sink_tokens"] + r["recent_tokens"] >= r["tokens"] else \
         f"{r['sink_tokens']} sinks + {r['recent_tokens']} recent visible"
     return (f"Perplexity over {r['tokens']} tokens ({window}; positions {r.get('positions', 'absolute')}), each "
@@ -198,7 +205,7 @@ def _point_rows(rows: list[dict], mark: bool = True) -> list[list[str]]:
     for o in ok:
         name = f"`{o['name']}`" + (" (= a grid config)" if o["ours"] and o["baseline"] else "")
         out.append([f"**{name}**" if mark and o.get("pareto") else name, *_config_cells(o), *_memory(o["memory"]),
-                    _f(o["kl"], "{:.4f}"), _f(o["ppl"], "{:.3f}"), _f(o["delta_pct"], "{:+.2f}%"),
+                    _kl(o["kl"]), _f(o["ppl"], "{:.3f}"), _f(o["delta_pct"], "{:+.2f}%"),
                     "yes" if o.get("pareto") else ""])
     return out
 
@@ -226,11 +233,11 @@ def frontier_markdown(r: dict) -> str:
     if r.get("equal_bytes"):
         head = ["baseline", "bytes/token", "KL", "best grid config within its bytes", "bytes/token", "KL",
                 "grid config nearest its bytes", "bytes/token", "KL"]
-        rows = [[f"`{e['baseline']}`", f"{e['bytes_per_token']:,.0f}", _f(e["kl"], "{:.4f}"),
+        rows = [[f"`{e['baseline']}`", f"{e['bytes_per_token']:,.0f}", _kl(e["kl"]),
                  f"`{e['best']}`" if e["best"] else "none fits",
-                 _f(e["best_bytes_per_token"], "{:,.0f}"), _f(e["best_kl"], "{:.4f}"),
+                 _f(e["best_bytes_per_token"], "{:,.0f}"), _kl(e["best_kl"]),
                  f"`{e['nearest']}`" if e["nearest"] else "-", _f(e["nearest_bytes_per_token"], "{:,.0f}"),
-                 _f(e["nearest_kl"], "{:.4f}")] for e in r["equal_bytes"]]
+                 _kl(e["nearest_kl"])] for e in r["equal_bytes"]]
         lines += ["\nAt equal bytes: each baseline against the grid's configurations.\n", _table(head, rows)]
     return "\n".join(lines)
 
@@ -240,7 +247,7 @@ def tune_summary(r: dict) -> str:
     return (f"budget {r['budget']['text']}: {r['budget']['limit_bytes_per_token']:,.0f} bytes/token at capacity "
             f"{r['capacity']}; {r['within']} of {r['considered']} configurations fit, least KL:\n"
             f"    {r['config_line']}\n"
-            f"    {m['bytes_per_token']:,.0f} bytes/token ({m['bf16_fraction']:.3f} of bf16), KL {b['kl']:.4f} "
+            f"    {m['bytes_per_token']:,.0f} bytes/token ({m['bf16_fraction']:.3f} of bf16), KL {_kl(b['kl'])} "
             f"nats/token, perplexity {b['ppl']:.3f} ({b['delta_pct']:+.2f}% vs bf16), on {r['tokens']} tokens, "
             f"positions {r['positions']}")
 

@@ -168,6 +168,17 @@ def test_tune_refuses_a_budget_nothing_fits(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_tune_refuses_before_calibrating_when_no_sink_count_could_fit(tmp_path, capsys, monkeypatch):
+    from qsinkkv.eval import calibrate
+
+    monkeypatch.setattr(calibrate, "run", lambda *a, **k: pytest.fail("calibrated although nothing could fit"))
+    out = tmp_path / "out"
+    assert cli.main(["tune", "--budget", "1000B", "--tokens", "96", "--grid", "bits=4", "residual=0",
+                     "--out", str(out), "--quiet"]) == 2
+    assert "--budget 1000B: no configuration of the grid fits 1,000 bytes/token" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["tune"], "the following arguments are required: --budget"),
     (["tune", "--budget", "cheap"], "--budget must be a fraction of the bf16 cache's bytes in (0, 1]"),

@@ -285,7 +285,7 @@ def _frontier(args, model, tok, ids) -> dict:
             frontier.check_budget(frontier.grid_configs(dict(grid, sinks=maybe), maybe, C, geo.head_dim,
                                                         args.positions), args.budget_spec, geo, C)
         except ValueError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(f"{e} [sinks: every count calibrate can recommend, 0-{calibrate.F}]") from None
     if frontier.CALIBRATE in grid["sinks"]:
         rec = calibrate.run(model, ids, tok)["recommended_sink_tokens"]
     sinks = list(dict.fromkeys(rec if s == frontier.CALIBRATE else s for s in grid["sinks"]))

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo test memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check
+.PHONY: install demo frontier test memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -13,6 +13,11 @@ install:
 # The main job: the eval report on the embedded default model and text (~3 min on 2 CPU cores)
 demo: install
 	$(PYTHON) -m qsinkkv.eval report --out out/report
+
+# Bytes per token against KL over the default grid and every baseline, the Pareto frontier
+# (out/frontier/report.md, frontier.png)
+frontier: install
+	$(PYTHON) -m qsinkkv.eval frontier --out out/frontier
 
 # lint, then the tests: what CI runs (.ci/run)
 test: install

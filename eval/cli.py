@@ -2,6 +2,8 @@
 
     qsinkkv-eval                      # = report: a short run of everything on the defaults
     qsinkkv-eval kv|ppl|stream|calibrate [--model M] [--text FILE] [--tokens N] [--out DIR] ...
+    qsinkkv-eval frontier [--grid small|large|KEY=V,..] [--capacity C]   # bytes/token vs KL, Pareto frontier
+    qsinkkv-eval tune --budget 0.30   # the least-KL configuration within a memory budget, as a CacheConfig
 
 Each run writes ``results.json`` (configuration, versions, every number), ``report.md``
 (tables) and PNG plots into ``--out``, only once everything has been computed: a failed
@@ -29,8 +31,12 @@ COMMANDS = {
     "stream": "perplexity against position over a long text: full cache, plain window, sinks + bf16/int8/int4",
     "calibrate": "attention mass on the first tokens per layer and head; how many sinks to keep",
     "report": "a short run of all of the above on the defaults, in one report (the default command)",
+    "frontier": "bytes per token against KL over a grid of qsinkkv configurations and the baselines; "
+                "the Pareto frontier",
+    "tune": "the configuration with the least KL within a memory budget (--budget), as a CacheConfig line",
 }
-TOKENS = dict(kv=512, ppl=512, stream=8192, calibrate=512, report=512)
+TOKENS = dict(kv=512, ppl=512, stream=8192, calibrate=512, report=512, frontier=512, tune=512)
+POSITIONS = ("absolute", "cache_index")
 STREAM_RECENT = 508  # the stream's default window: capacity 4 + 508
 MAX_PROBS_TOKENS = 4096  # kv and calibrate hold [heads, T, T] attention matrices
 
@@ -49,14 +55,40 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
                         + ("; the stream part uses 4x" if command == "report" else "") + ")")
     if command in ("kv", "ppl", "report"):
         p.add_argument("--bits", type=int, nargs="+", default=[8, 4], help="8 and/or 4 (default: both)")
+    if command in ("kv", "ppl", "report", "frontier"):
         p.add_argument("--schemes", nargs="+", default=None,
-                       help="only these schemes (names as in the report, e.g. qsinkkv-int4 per-tensor-int4)")
-    p.add_argument("--sink-tokens", type=int, default=4, help="sink tokens S (default 4)")
-    window = p.add_mutually_exclusive_group()
-    default_w = ("the whole text" if command in ("kv", "ppl") else f"{STREAM_RECENT}") \
-        if command != "calibrate" else "unused"
-    window.add_argument("--recent-tokens", type=int, default=None, help=f"recent tokens W (default: {default_w})")
-    window.add_argument("--capacity", type=int, default=None, help="capacity S + W (instead of --recent-tokens)")
+                       help="only these schemes (names as in the report, e.g. qsinkkv-int4 per-tensor-int4)"
+                            + ("; frontier: the baselines to include besides the grid, 'none' for none"
+                               if command == "frontier" else ""))
+    if command in ("frontier", "tune"):
+        from .frontier import GRID_HELP
+        p.add_argument("--grid", nargs="+", default=["small"], help=f"the configurations to sweep: {GRID_HELP}")
+    if command == "tune":
+        p.add_argument("--budget", required=True,
+                       help="memory budget: a fraction of the bf16 cache's bytes (0.30 or 30%%) or bytes per token "
+                            "(7000 or 7000B; any plain number above 1), at the run's capacity")
+    if command != "calibrate":
+        many = command == "stream"
+        p.add_argument("--positions", nargs="+" if many else None, choices=POSITIONS,
+                       default=list(POSITIONS) if many else "absolute",
+                       help="position contract (RoPE): absolute, or cache_index (StreamingLLM: pre-RoPE keys "
+                            "rotated by their index in the cache); default "
+                            + ("both, side by side" if many else "absolute")
+                            + ("; the report's stream part always shows both" if command == "report" else ""))
+    sinks_note = {"frontier": "; frontier: the baselines' (the grid has its own)",
+                  "tune": "; unused by tune (the grid has its own)"}.get(command, "")
+    p.add_argument("--sink-tokens", type=int, default=4, help="sink tokens S (default 4)" + sinks_note)
+    if command in ("frontier", "tune"):
+        p.add_argument("--capacity", type=int, default=None,
+                       help="tokens every cache holds, sinks included (default: the whole text, every token "
+                            "visible); each configuration's recent_tokens is the capacity minus its sinks")
+        p.set_defaults(recent_tokens=None)
+    else:
+        window = p.add_mutually_exclusive_group()
+        default_w = ("the whole text" if command in ("kv", "ppl") else f"{STREAM_RECENT}") \
+            if command != "calibrate" else "unused"
+        window.add_argument("--recent-tokens", type=int, default=None, help=f"recent tokens W (default: {default_w})")
+        window.add_argument("--capacity", type=int, default=None, help="capacity S + W (instead of --recent-tokens)")
     if command in ("stream", "report"):
         p.add_argument("--window", type=int, default=256, help="tokens per windowed-perplexity point (default 256)")
     p.add_argument("--out", default=None, help=f"output directory (default out/eval-{command})")
@@ -98,7 +130,7 @@ def check(args) -> None:
             raise UsageError(f"--bits must be 8 and/or 4, got {b}")
     if not 0 <= args.sink_tokens < args.tokens:
         raise UsageError(f"--sink-tokens must be >= 0 and < --tokens ({args.tokens}), got {args.sink_tokens}")
-    if args.capacity is not None:
+    if args.capacity is not None and args.command != "tune":  # tune: the grid's sinks (_check_grid)
         if args.capacity <= args.sink_tokens:
             raise UsageError(f"--capacity ({args.capacity}) must be larger than --sink-tokens ({args.sink_tokens})")
         args.recent_tokens = args.capacity - args.sink_tokens
@@ -118,13 +150,18 @@ def check(args) -> None:
                          f"matrices), got {args.tokens}")
     if args.command in ("calibrate", "report") and args.tokens < 81:
         raise UsageError(f"--tokens must be >= 81 for {args.command}, got {args.tokens}")
+    if args.command in ("frontier", "tune"):
+        _check_grid(args)
     for name in getattr(args, "schemes", None) or []:
+        if args.command == "frontier" and args.schemes == ["none"]:
+            break
         try:
             scheme = find_scheme(name)
         except ValueError as e:
             raise UsageError(f"--schemes: {e}") from None
         if scheme.bits not in args.bits:  # bf16 (16) too: the reference is always included
-            raise UsageError(f"--schemes {name} is not measured at --bits {' '.join(map(str, args.bits))}"
+            bits = "the --grid bits" if args.command == "frontier" else "--bits"
+            raise UsageError(f"--schemes {name} is not measured at {bits} {' '.join(map(str, args.bits))}"
                              + (" (bf16 is the reference and always included)" if scheme.bits == 16 else ""))
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")
@@ -147,6 +184,39 @@ def check(args) -> None:
         base = base.parent
     if not base.is_dir() or not os.access(base, os.W_OK):
         raise UsageError(f"--out {args.out}: {base} is not a writable directory")
+
+
+def _check_grid(args) -> None:
+    """--grid, --budget and the capacity of frontier / tune (what needs the model, head_dim and the
+    calibrated sinks, is checked once it is loaded)."""
+    from .frontier import CALIBRATE, Budget, parse_grid
+
+    try:
+        args.grid_spec = parse_grid(args.grid)
+        if args.command == "tune":
+            args.budget_spec = Budget.parse(args.budget)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.bits = args.grid_spec["bits"]  # the baselines compared: the grid's bits
+    C = args.capacity if args.capacity is not None else args.tokens
+    if C < 2:
+        raise UsageError(f"--capacity must be >= 2, got {C}")
+    args.run_capacity = C
+    if args.capacity is not None and args.capacity > args.tokens:
+        raise UsageError(f"--capacity ({args.capacity}) must be <= --tokens ({args.tokens}): every cache holds "
+                         "at most the text")
+    if CALIBRATE in args.grid_spec["sinks"] and not 81 <= args.tokens <= MAX_PROBS_TOKENS:
+        raise UsageError(f"--grid sinks={CALIBRATE} runs calibrate, which needs 81 <= --tokens <= "
+                         f"{MAX_PROBS_TOKENS}, got {args.tokens}")
+    for S in args.grid_spec["sinks"]:
+        if S != CALIBRATE and S >= C:
+            raise UsageError(f"--grid sinks {S} must be < the capacity ({C})")
+        for R in args.grid_spec["residual"]:  # the calibrated sinks are checked once calibrate has run
+            if S != CALIBRATE and R > C - S:
+                raise UsageError(f"--grid residual {R} must be <= the recent tokens, capacity {C} - sinks {S} "
+                                 f"= {C - S}")
+    if args.command == "frontier" and args.schemes and "none" in args.schemes and args.schemes != ["none"]:
+        raise UsageError("--schemes none excludes every baseline: give it alone")
 
 
 def _versions() -> dict:
@@ -176,18 +246,22 @@ def run(args) -> dict:
                    text=args.text or "pydoc_data.topics (CPython)", device=args.device, dtype=args.dtype,
                    seed=args.seed, versions=_versions(),
                    config={k: v for k, v in vars(args).items() if k not in ("text_content", "argv")})
-    need_short = cmd in ("kv", "ppl", "calibrate", "report")
+    need_short = cmd in ("kv", "ppl", "calibrate", "report", "frontier", "tune")
     ids = encode(tok, args.text_content, args.tokens).to(args.device) if need_short else None
     W = args.recent_tokens if args.recent_tokens is not None else args.tokens  # kv / ppl: everything visible
     only = getattr(args, "schemes", None)
+    positions = getattr(args, "positions", "absolute")
     if cmd in ("kv", "report"):
         captured = kv.capture(model, ids, S, W)
-        results["kv"] = kv.run(model, ids, args.bits, S, W, only, captured=captured)
+        results["kv"] = kv.run(model, ids, args.bits, S, W, only, captured=captured, positions=positions)
     if cmd in ("ppl", "report"):
-        results["ppl"] = ppl.run(model, ids, args.bits, S, W, only)
+        results["ppl"] = ppl.run(model, ids, args.bits, S, W, only, positions=positions)
     if cmd in ("stream", "report"):
         long_ids = encode(tok, args.text_content, args.stream_tokens, "stream tokens").to(args.device)
-        results["stream"] = stream.run(model, long_ids, S, args.stream_recent, args.window)
+        results["stream"] = stream.run(model, long_ids, S, args.stream_recent, args.window,
+                                       positions=tuple(positions) if cmd == "stream" else stream.POSITIONS)
+    if cmd in ("frontier", "tune"):
+        results[cmd] = _frontier(args, model, tok, ids)
     if cmd in ("calibrate", "report"):  # full attention: reuse the kv capture only if it saw everything
         reuse = captured if cmd == "report" and S + W >= args.tokens else None
         results["calibrate"] = calibrate.run(model, ids, tok, captured=reuse)
@@ -195,11 +269,47 @@ def run(args) -> dict:
     return results
 
 
+def _frontier(args, model, tok, ids) -> dict:
+    """frontier / tune: the grid resolved on the loaded model (calibrate's sinks, its head_dim)."""
+    from . import calibrate, frontier
+    from .footprint import Geometry
+
+    grid, C = args.grid_spec, args.run_capacity
+    geo = Geometry.of(model)
+    rec = None
+    if args.command == "tune" and frontier.CALIBRATE in grid["sinks"]:
+        # refuse a budget nothing can fit before calibrating: try every sink count calibrate can give
+        numeric = [s for s in grid["sinks"] if s != frontier.CALIBRATE]
+        maybe = list(dict.fromkeys(numeric + [s for s in range(calibrate.F + 1) if max(grid["residual"]) <= C - s]))
+        try:
+            frontier.check_budget(frontier.grid_configs(dict(grid, sinks=maybe), maybe, C, geo.head_dim,
+                                                        args.positions), args.budget_spec, geo, C)
+        except ValueError as e:
+            raise UsageError(f"{e} [sinks: every count calibrate can recommend, 0-{calibrate.F}]") from None
+    if frontier.CALIBRATE in grid["sinks"]:
+        rec = calibrate.run(model, ids, tok)["recommended_sink_tokens"]
+    sinks = list(dict.fromkeys(rec if s == frontier.CALIBRATE else s for s in grid["sinks"]))
+    try:
+        configs = frontier.grid_configs(grid, sinks, C, geo.head_dim, args.positions)
+    except ValueError as e:
+        raise UsageError(str(e) + (f" (sinks={frontier.CALIBRATE} gave {rec})" if rec is not None else "")) from None
+    common = dict(tokens=int(ids.shape[1]), capacity=C, positions=args.positions, grid=grid,
+                  calibrated_sink_tokens=rec, reference="bf16 cache, every token visible",
+                  bf16_bytes_per_token=geo.bf16_bytes_per_token)
+    if args.command == "tune":
+        return dict(common, **frontier.tune(model, ids, configs, args.budget_spec, C, args.positions))
+    only = None if not args.schemes else [] if args.schemes == ["none"] else args.schemes
+    baselines = frontier.frontier_baselines(args.bits, only)
+    points = frontier.candidates(configs, baselines, args.sink_tokens, C, args.positions)
+    rows = frontier.measure(model, ids, points, args.sink_tokens, C, args.positions)
+    return dict(common, sink_tokens=args.sink_tokens, rows=rows, equal_bytes=frontier.at_equal_bytes(rows))
+
+
 def write(results: dict, out: str) -> list[Path]:
     """results.json, report.md and the plots, moved into ``out`` only once all are written."""
     from . import report
 
-    sections = [s for s in ("calibrate", "kv", "ppl", "stream") if s in results]
+    sections = [s for s in ("calibrate", "kv", "ppl", "stream", "frontier", "tune") if s in results]
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".qsinkkv-eval-") as tmp:  # same filesystem: moves are renames
@@ -279,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # torch: out of memory, a device error, ...
         print(f"qsinkkv-eval: failed: {e}", file=sys.stderr)
         return 1
+    if "tune" in results:
+        from .report import tune_summary
+        print(tune_summary(results["tune"]))
     print(f"qsinkkv-eval {args.command}: wrote {', '.join(str(p) for p in written)}")
     print(f"report: {Path(args.out) / 'report.md'}")
     return 0

@@ -12,13 +12,16 @@ One bf16 forward captures every layer's (q, k, v). For each scheme and layer the
   and ``sink_shift``: the scheme's minus the bf16 cache's.
 
 No error propagates between layers here: each layer sees the bf16 model's inputs (``ppl``
-measures the compounded effect).
+measures the compounded effect). Each scheme's ``memory`` is its real cache's bytes at the
+run's capacity (``footprint.py``). With ``positions="cache_index"`` the captured q and k are
+taken back to pre-RoPE (what that contract stores; ``k_err`` is then on pre-RoPE keys) and
+attention rotates them by cache index (``replay.attend``).
 """
 from __future__ import annotations
 
 import torch
 
-from . import replay
+from . import footprint, replay
 from .progress import bar
 from .schemes import REFERENCE, schemes_for, store_of, stored_view
 
@@ -38,28 +41,35 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only: list[str] | None = None,
-        captured: dict | None = None) -> dict:
+        captured: dict | None = None, positions: str = "absolute") -> dict:
+    from .ppl import QUANTO_ABSOLUTE_ONLY
+
     S, W = sink_tokens, recent_tokens
     captured = captured or capture(model, ids, S, W)
+    rotary = replay.positions_rotary(model, positions)
     todo = [s for b in bits for s in schemes_for(b) if only is None or s.name in only]
     windowed = S + W < int(ids.shape[1])
     skipped = [dict(scheme=s.name, status=f"skipped: {s.requires} is not installed") for s in todo if not s.available()]
     skipped += [dict(scheme=s.name, status="skipped: QuantizedCache keeps every token (no window)")
                 for s in todo if s.available() and s.family == "quanto" and windowed]
-    todo = [s for s in todo if s.available() and not (s.family == "quanto" and windowed)]
+    skipped += [dict(scheme=s.name, status=QUANTO_ABSOLUTE_ONLY)
+                for s in todo if s.available() and s.family == "quanto" and not windowed and rotary is not None]
+    todo = [s for s in todo if s.available() and not (s.family == "quanto" and (windowed or rotary is not None))]
     per_layer = {s.name: {m: [] for m in METRICS} for s in todo}
     ref_sink_mass = []
     for layer in bar(sorted(captured), "kv layers"):
         q, k, v = captured[layer]
+        if rotary is not None:  # the contract stores pre-RoPE keys
+            q, k = replay.unrotate(rotary, q), replay.unrotate(rotary, k)
         T = k.shape[2]
-        ref_out, ref_p = replay.attend(q, k, v, None, S, W, want_probs=True)
+        ref_out, ref_p = replay.attend(q, k, v, None, S, W, want_probs=True, rotary=rotary)
         past = slice(S, T)  # queries that could look past the sinks
         ref_mass = ref_p[:, :, past, :S].sum(-1).mean().item()
         ref_sink_mass.append(ref_mass)
         kf, vf = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
         for scheme in todo:
             view = stored_view(scheme, k, v, S)
-            out, p = replay.attend(q, k, v, view, S, W, want_probs=True)
+            out, p = replay.attend(q, k, v, view, S, W, want_probs=True, rotary=rotary)
             mass = p[:, :, past, :S].sum(-1).mean().item()
             kl = torch.special.xlogy(ref_p, ref_p) - torch.special.xlogy(ref_p, p.clamp_min(1e-30))
             m = per_layer[scheme.name]
@@ -71,11 +81,14 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
             m["sink_mass"].append(mass)
             m["sink_shift"].append(mass - ref_mass)
     overall = []
+    T = int(ids.shape[1])
+    geo, capacity = footprint.Geometry.of(model), min(S + W, T)
     for scheme in [REFERENCE] + todo:
         if scheme is REFERENCE:
             row = {m: 0.0 for m in METRICS} | dict(sink_mass=sum(ref_sink_mass) / len(ref_sink_mass))
         else:
             row = {m: sum(vals) / len(vals) for m, vals in per_layer[scheme.name].items()}
-        overall.append(dict(scheme=scheme.name, bits=scheme.bits, description=scheme.description, **row))
-    return dict(tokens=int(ids.shape[1]), sink_tokens=S, recent_tokens=W, overall=overall, skipped=skipped,
-                per_layer=per_layer, ref_sink_mass=ref_sink_mass)
+        overall.append(dict(scheme=scheme.name, bits=scheme.bits, description=scheme.description, **row,
+                            memory=footprint.of_scheme(scheme, geo, S, capacity).to_dict()))
+    return dict(tokens=T, sink_tokens=S, recent_tokens=W, capacity=capacity, positions=positions, overall=overall,
+                skipped=skipped, per_layer=per_layer, ref_sink_mass=ref_sink_mass)

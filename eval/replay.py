@@ -8,6 +8,18 @@ None of that depends on later tokens, so all T queries are computed in parallel 
 layer's real K/V. ``tests/test_eval.py`` checks this against a token-by-token stream through
 the real ``QSinkKVCache``.
 
+Two position contracts (``CacheConfig.positions``):
+
+* ``absolute``: keys are stored as the model rotated them (their true positions);
+* ``cache_index`` (StreamingLLM): the model's RoPE is undone, keys are stored pre-RoPE (the
+  store quantizes those) and rotated by their index in the cache at every step: sinks at
+  0..S-1, the visible recent tokens after them, the query at ``min(i, C-1)``. RoPE scores
+  depend only on (query index - key index), and a recent key's index is its position minus the
+  same offset as the query's, so recent keys keep their true distance; only the sinks move: a
+  query at ``i >= C`` sees sink ``j`` at distance ``C-1-j`` instead of ``i-j``.
+  ``tests/test_eval_frontier.py`` checks it against a token-by-token stream through
+  ``QSinkKVCache(CacheConfig(positions="cache_index"))``.
+
 The model runs with ``attn_implementation="qsinkkv_eval"``; ``replay(...)`` sets what the
 attention function does for the duration of one forward.
 """
@@ -22,6 +34,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from qsinkkv import Rotary
 from qsinkkv.attention import visible_mask
 
 from .schemes import BF16, StoredKV
@@ -37,18 +50,22 @@ class Replay:
     recent_tokens: int
     captured: dict[int, tuple[Tensor, Tensor, Tensor]] | None = field(default=None)  # layer -> (q, k, v)
     fused_causal: bool = False  # plain causal attention through SDPA (a no-limit bf16 cache only)
+    rotary: Rotary | None = None  # the model's RoPE: the cache_index contract (None: absolute)
 
 
 _ACTIVE: list[Replay] = []
 
 
 @contextlib.contextmanager
-def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False, fused_causal: bool = False):
+def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False, fused_causal: bool = False,
+           rotary: Rotary | None = None):
     """While active, the model's attention replays decode steps under ``store``; with ``capture``
-    the yielded Replay collects every layer's (q, k, v) in ``captured``. ``fused_causal`` lets a
-    bf16 cache that sees everything use SDPA (fast on long texts; it sums in another order, so a
-    reference that schemes are compared against must not use it)."""
-    rp = Replay(store, sink_tokens, recent_tokens, {} if capture else None, fused_causal)
+    the yielded Replay collects every layer's (q, k, v) in ``captured`` (as the model computed
+    them: post-RoPE). ``fused_causal`` lets a bf16 cache that sees everything use SDPA (fast on
+    long texts; it sums in another order, so a reference that schemes are compared against must
+    not use it). ``rotary`` (the model's schedule, ``positions_rotary``) selects the
+    ``cache_index`` contract: ``store`` then receives pre-RoPE keys."""
+    rp = Replay(store, sink_tokens, recent_tokens, {} if capture else None, fused_causal, rotary)
     _ACTIVE.append(rp)
     try:
         yield rp
@@ -57,25 +74,38 @@ def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False, f
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: int, recent_tokens: int,
-           scale: float | None = None, want_probs: bool = False, fused_causal: bool = False
-           ) -> tuple[Tensor, Tensor | None]:
+           scale: float | None = None, want_probs: bool = False, fused_causal: bool = False,
+           rotary: Rotary | None = None) -> tuple[Tensor, Tensor | None]:
     """Decode-time attention of queries at positions ``0..T-1``.
 
     q ``[B, H, T, D]``; k, v ``[B, Hkv, T, D]`` (the layer's K/V); view: the stored form, or None
-    for a bf16 cache. Returns the output ``[B, H, T, D]`` float32 and, with ``want_probs``,
-    the attention probabilities ``[B, H, T, T]`` (zero where not visible).
+    for a bf16 cache. With ``rotary`` (the ``cache_index`` contract) q, k and ``view.k`` are
+    pre-RoPE and are rotated by their cache index here. Returns the output ``[B, H, T, D]``
+    float32 and, with ``want_probs``, the attention probabilities ``[B, H, T, T]`` (zero where
+    not visible).
     """
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     scale = D ** -0.5 if scale is None else scale
+    pos = torch.arange(T, device=q.device)
     qg = q.float().reshape(B, Hkv, G, T, D)
     kf, vf = k.to(BF16).float(), v.to(BF16).float()
+    kv_stored = None if view is None else view.k
+    q_sink = qg  # the query against sink keys
+    if rotary is not None:
+        # Every key at its own position and the query at its own: a recent key's cache index and
+        # the query's differ by exactly their distance, so this is the cache-index score for them.
+        # Against a sink (index j) the query sits at its cache index min(i, C-1).
+        C = sink_tokens + recent_tokens
+        q_sink = rotary.rotate(qg, pos.clamp(max=C - 1))
+        qg = rotary.rotate(qg, pos)
+        kf = rotary.rotate(kf, pos)
+        kv_stored = None if view is None else rotary.rotate(view.k, pos)
     if fused_causal and view is None and not want_probs and recent_tokens >= T:
-        out = torch.nn.functional.scaled_dot_product_attention(q.float(), kf, vf, is_causal=True, scale=scale,
-                                                               enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(qg.reshape(B, H, T, D), kf, vf, is_causal=True,
+                                                               scale=scale, enable_gqa=True)
         return out, None
-    pos = torch.arange(T, device=q.device)
     out = torch.empty(B, Hkv, G, T, D, device=q.device)
     probs = torch.zeros(B, Hkv, G, T, T, device=q.device) if want_probs else None
     for t0 in range(0, T, QUERY_CHUNK):
@@ -86,7 +116,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: 
         scores = torch.einsum("bhgtd,bhnd->bhgtn", qc, kf[:, :, idx])
         if view is not None:
             stored = view.ready[idx].unsqueeze(0) <= pos[t0:t1].unsqueeze(1)  # [t, n]
-            scores = torch.where(stored, torch.einsum("bhgtd,bhnd->bhgtn", qc, view.k[:, :, idx]), scores)
+            scores = torch.where(stored, torch.einsum("bhgtd,bhnd->bhgtn", qc, kv_stored[:, :, idx]), scores)
+        if rotary is not None and t1 > sink_tokens + recent_tokens:  # queries whose index stops at C-1
+            ns = int((idx < sink_tokens).sum())  # idx is ascending: the sinks come first
+            qs = q_sink[:, :, :, t0:t1]
+            sink_scores = torch.einsum("bhgtd,bhnd->bhgtn", qs, kf[:, :, idx[:ns]])
+            if view is not None:
+                sink_scores = torch.where(stored[:, :ns], torch.einsum("bhgtd,bhnd->bhgtn", qs,
+                                                                       kv_stored[:, :, idx[:ns]]), sink_scores)
+            scores[..., :ns] = sink_scores
         seen = visible_mask(pos[t0:t1], idx, sink_tokens, recent_tokens)
         p = torch.softmax((scores * scale).masked_fill(~seen, float("-inf")), dim=-1)
         if view is None:
@@ -109,9 +147,30 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     layer = module.layer_idx
     if rp.captured is not None:
         rp.captured[layer] = (query.detach(), key.detach(), value.detach())
-    view = rp.store(layer, key, value)
-    out, _ = attend(query, key, value, view, rp.sink_tokens, rp.recent_tokens, scaling, fused_causal=rp.fused_causal)
+    q, k = (query, key) if rp.rotary is None else (unrotate(rp.rotary, query), unrotate(rp.rotary, key))
+    view = rp.store(layer, k, value)
+    out, _ = attend(q, k, value, view, rp.sink_tokens, rp.recent_tokens, scaling, fused_causal=rp.fused_causal,
+                    rotary=rp.rotary)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def positions_rotary(model, positions: str) -> Rotary | None:
+    """The model's fixed RoPE schedule for ``positions="cache_index"`` (as ``QSinkKVCache`` reads it);
+    None for ``"absolute"``."""
+    if positions == "absolute":
+        return None
+    if positions != "cache_index":
+        raise ValueError(f"positions must be 'absolute' or 'cache_index', got {positions!r}")
+    from qsinkkv.hf import rotary_from_config
+
+    return rotary_from_config(model.config.get_text_config(decoder=True))
+
+
+def unrotate(rotary: Rotary, x: Tensor) -> Tensor:
+    """Undo the model's RoPE (scaled by its attention factor) of ``x [B, H, T, D]`` at positions
+    ``0..T-1``: the pre-RoPE tensor, as ``QSinkKVCache`` recovers it (float32 arithmetic)."""
+    pos = torch.arange(x.shape[2], device=x.device)
+    return (rotary.rotate(x.float(), -pos, scaled=False) / rotary.attention_scaling).to(x.dtype)
 
 
 def _no_mask(*args, **kwargs):

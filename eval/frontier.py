@@ -143,7 +143,7 @@ def candidates(configs: list[CacheConfig], baselines: list[Scheme], sink_tokens:
 def measure(model, ids, points: list[Candidate], sink_tokens: int, capacity: int, positions: str,
             desc: str = "frontier") -> list[dict]:
     """KL (from the bf16 cache that sees every token, same contract), perplexity and bytes of every point."""
-    from .ppl import QUANTO_ABSOLUTE_ONLY, _quanto_stream
+    from .ppl import _quanto_stream, quanto_skip
 
     T = ids.shape[1]
     geo = footprint.Geometry.of(model)
@@ -171,11 +171,9 @@ def measure(model, ids, points: list[Candidate], sink_tokens: int, capacity: int
             memory = footprint.of_scheme(scheme, geo, sink_tokens, capacity)
             store = store_of(scheme, S)
         if scheme is not None and scheme.family == "quanto":
-            if capacity < T:
-                rows.append(dict(row, status="skipped: QuantizedCache keeps every token (no window)"))
-                continue
-            if rotary is not None:
-                rows.append(dict(row, status=QUANTO_ABSOLUTE_ONLY))
+            skip = quanto_skip(capacity, T, rotary)
+            if skip:
+                rows.append(dict(row, status=skip))
                 continue
             logp, kl = _quanto_stream(model, ids, ref_rows)
         elif scheme is not None and scheme.family == "bf16" and capacity >= T:

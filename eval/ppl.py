@@ -43,11 +43,9 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
             rows.append(dict(row, status=f"skipped: {scheme.requires} is not installed"))
             continue
         if scheme.family == "quanto":
-            if sink_tokens + W < T:
-                rows.append(dict(row, status="skipped: QuantizedCache keeps every token (no window)"))
-                continue
-            if rotary is not None:
-                rows.append(dict(row, status=QUANTO_ABSOLUTE_ONLY))
+            skip = quanto_skip(sink_tokens + W, T, rotary)
+            if skip:
+                rows.append(dict(row, status=skip))
                 continue
             logp, kl = _quanto_stream(model, ids, ref_rows)
         else:
@@ -59,6 +57,15 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
                          memory=footprint.of_scheme(scheme, geo, sink_tokens, capacity).to_dict()))
     return dict(tokens=T, sink_tokens=sink_tokens, recent_tokens=W, capacity=capacity, positions=positions,
                 rows=rows)
+
+
+def quanto_skip(capacity: int, tokens: int, rotary) -> str | None:
+    """Why transformers' QuantizedCache cannot be measured here, or None."""
+    if capacity < tokens:
+        return "skipped: QuantizedCache keeps every token (no window)"
+    if rotary is not None:
+        return QUANTO_ABSOLUTE_ONLY
+    return None
 
 
 def _quanto_stream(model, ids, ref_rows):

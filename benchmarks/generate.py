@@ -6,7 +6,8 @@ transformers' QuantizedCache (quanto backend, when optimum-quanto is installed).
 For each context length, a prompt of that many tokens of real text (CPython's pydoc topics)
 is prefilled, then ``--new`` tokens are decoded greedily one forward at a time; the table
 gives the median time per decoded token, its ratio to DynamicCache, and the bytes each cache
-holds at the end. ``--capacity`` sets QSinkKVCache's capacity (4 sinks + the rest recent);
+holds at the end. The caches decode in turn, one step each (interleaved), so that a host that
+slows down for a while slows them alike. ``--capacity`` sets QSinkKVCache's capacity (4 sinks + the rest recent);
 by default it holds the whole stream, so every cache attends over the same tokens.
 Runs on the default model in float32 on CPU, or on CUDA with --device cuda.
 """
@@ -43,19 +44,19 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def decode_ms(model, ids, cache, new):
+def prefill(model, ids, cache):
     with torch.no_grad():
-        logits = model(ids, cache=cache, use_cache=True).logits
-        nxt = logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(new):
-            t0 = time.perf_counter()
-            logits = model(nxt, cache=cache, use_cache=True).logits
-            nxt = logits[:, -1:].argmax(-1)
-            if nxt.is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        return model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+def step_s(model, nxt, cache):
+    """One greedy decode step: (seconds, next token)."""
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        if nxt.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, nxt
 
 
 def main():
@@ -91,15 +92,27 @@ def main():
             cfg = CacheConfig(sink_tokens=4, recent_tokens=cap - 4, bits=bits, block_size=64, value_group_size=64)
             configs.append((f"QSinkKVCache int{bits} (C={cap})", "qsinkkv",
                             lambda cfg=cfg: QSinkKVCache(cfg, model.config)))
-        base = None
+        # prefill every cache, then decode them in turn, one step each: a machine that slows
+        # down for a while slows every cache alike, so the ratios hold on a noisy host
+        runs = []
         for name, impl, make in configs:
             model.set_attn_implementation(impl)
             cache = make()
-            ms = decode_ms(model, ids, cache, a.new)
-            base = base or ms
-            row = dict(context=ctx, cache=name, ms_per_token=ms, vs_dynamic=ms / base, bytes=cache_bytes(cache))
+            runs.append(dict(name=name, impl=impl, cache=cache, nxt=prefill(model, ids, cache), times=[]))
+        for _ in range(a.new):
+            for r in runs:
+                model.set_attn_implementation(r["impl"])
+                dt, r["nxt"] = step_s(model, r["nxt"], r["cache"])
+                r["times"].append(dt)
+        base = 1e3 * statistics.median(runs[0]["times"])
+        for r in runs:
+            ms = 1e3 * statistics.median(r["times"])
+            row = dict(context=ctx, cache=r["name"], ms_per_token=ms, vs_dynamic=ms / base,
+                       bytes=cache_bytes(r["cache"]))
             rows.append(row)
-            print(f"| {ctx:,} | {name} | {ms:.1f} | {ms / base:.2f} | {row['bytes']:,} |", flush=True)
+            print(f"| {ctx:,} | {r['name']} | {ms:.1f} | {ms / base:.2f} | {row['bytes']:,} |", flush=True)
+        del runs
+
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(date=time.strftime("%Y-%m-%d"), device=a.device, rows=rows), f, indent=1)

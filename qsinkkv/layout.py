@@ -105,15 +105,25 @@ class WindowLayout:
         float ring) a query at the newest position of each sequence (lengths ``seq_lens [B]``, host)
         sees. Every layer of a model step asks with the same lengths, so the last answer is kept
         (decode metadata built once per step, not once per layer)."""
+        return self._step_masks(seq_lens, device)[0]
+
+    def visible_bias(self, seq_lens: Tensor, device: torch.device) -> Tensor:
+        """``visible_slots`` as float32 ``[B, N]`` to add to the scores: 0 where seen, -inf elsewhere
+        (an add is ~8x faster than ``masked_fill`` on the CPU; kept like ``visible_slots``)."""
+        return self._step_masks(seq_lens, device)[1]
+
+    def _step_masks(self, seq_lens: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
         key = (tuple(seq_lens.tolist()), device)
-        seen = self._seen.get(key)
-        if seen is None:
+        masks = self._seen.get(key)
+        if masks is None:
             seq_lens = seq_lens.to(device)
             pos = torch.cat(self.slot_positions(seq_lens), dim=1)
-            seen = visible_mask((seq_lens.long() - 1).unsqueeze(-1), pos, self.sink_tokens, self.recent_tokens)
+            seen = visible_mask((seq_lens.long() - 1).unsqueeze(-1), pos, self.sink_tokens,
+                                self.recent_tokens).squeeze(1)
+            bias = torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
             self._seen.clear()
-            self._seen[key] = seen = seen.squeeze(1)
-        return seen
+            self._seen[key] = masks = (seen, bias)
+        return masks
 
     def slot_positions(self, seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Logical position held by every storage slot, per sequence of length ``seq_lens [B]``:

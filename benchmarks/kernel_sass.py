@@ -35,21 +35,26 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
-def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, fold: bool):
+def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, values: str):
+    """values: "dequantized", "folded" (QSINKKV_FOLD_VALUES) or "fp16" (QSINKKV_FP16_DOTS); "-" for bf16."""
     mod = importlib.import_module("qsinkkv.kernels.decode_attention")
     f = "*bf16"
     sig = dict(q_ptr=f, sink_k_ptr=f, sink_v_ptr=f, float_k_ptr=f, float_v_ptr=f, key_codes_ptr="*u8",
                key_scale_ptr="*fp16", key_zero_ptr="*fp16", value_codes_ptr="*u8", value_scale_ptr="*fp16",
                value_zero_ptr="*fp16", sink_table_ptr="*i64", float_table_ptr="*i64", quant_table_ptr="*i64",
                seq_lens_ptr="*i64", inv_freq_ptr="*fp32", part_acc_ptr="*fp32",
-               part_ml_ptr="*fp32", qk_scale="fp32", H_KV="i32", G="i32", D="i32", S="i32", W="i32", R="i32",
+               part_ml_ptr="*fp32", qk_scale="fp32", H_KV="i32", G="i32", S="i32", W="i32", R="i32",
                NQ="i32", FS="i32", SINK_PAGES="i32", FLOAT_BLOCKS="i32", QUANT_BLOCKS="i32", BLOCKS_PER_SPLIT="i32")
     from qsinkkv import CacheConfig
     cfg = CacheConfig(sink_tokens=4, recent_tokens=4092, bits=bits, block_size=block, value_group_size=group)
     const = mod.decode_constexprs(cfg, head_dim, group_heads=4, splits=4, rope=False, interpret=False,
-                                  fold_values=fold)
+                                  fold_values=values == "folded", fp16_dots=values == "fp16")
     sig.update({k: "constexpr" for k in const})
-    return triton.compile(ASTSource(mod._decode_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+    # as the JIT specializes a launch on torch tensors: every pointer 16-byte aligned (what lets the
+    # compiler vectorize loads); without this the offline code would load byte by byte
+    names = mod._decode_kernel.arg_names
+    aligned = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+    return triton.compile(ASTSource(mod._decode_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -119,15 +124,16 @@ def main():
     print("| D | bits | values | regs | stack (spill) bytes | loop instr | path instr | LDL+STL in path "
           "| KV bytes/iter | warp-instr/byte |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for D, bits, fold in [(D, b, f) for D in a.dims for b in a.bits for f in ((False, True) if b != 16 else (False,))]:
-        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, fold)
+    modes = lambda bits: ("dequantized", "folded", "fp16") if bits != 16 else ("-",)  # noqa: E731
+    for D, bits, values in [(D, b, v) for D in a.dims for b in a.bits for v in modes(b)]:
+        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, values)
         res = cuobjdump(k.asm["cubin"], "-res-usage")
         regs = int(re.search(r"REG:(\d+)", res).group(1))
         stack = int(re.search(r"STACK:(\d+)", res).group(1))
         sass = cuobjdump(k.asm["cubin"], "-sass")
         if a.sass_dir:
             Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
-            (Path(a.sass_dir) / f"decode_d{D}_int{bits}{'_folded' if fold else ''}.sass").write_text(sass)
+            (Path(a.sass_dir) / f"decode_d{D}_int{bits}_{values.strip('-') or 'float'}.sass").write_text(sass)
         ins = instructions(sass)
         first, last = main_loop(ins)
         loop = sum(first <= addr <= last for addr, _ in ins)
@@ -137,7 +143,6 @@ def main():
         spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
         nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
         per_byte = len(path) * a.warps / nbytes
-        values = "-" if bits == 16 else ("folded" if fold else "dequantized")
         print(f"| {D} | {bits} | {values} | {regs} | {stack} | {loop} | {len(path)} | {spills} | {nbytes:,} | "
               f"{per_byte:.2f} |", flush=True)
 

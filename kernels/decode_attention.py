@@ -13,7 +13,8 @@ states and adds the optional learned sink logits (``exp(s_h)`` in the denominato
 
 Channels are handled as two halves ``[0, D/2)`` and ``[D/2, D)``: the half split is what
 RoPE's ``rotate_half`` pairs, so the ``cache_index`` contract rotates a dequantized key by
-its local index with no shuffles (int4 halves start on a byte boundary: D % 4 == 0).
+its local index with no shuffles, and it is how int4 is packed (byte j: channel j in the low
+nibble, j + D/2 in the high one), so a row's bytes give both halves with a mask and a shift.
 
 The reference is ``qsinkkv.decode.decode_attention_reference``: ``qsinkkv.storage.gather``
 plus ``qsinkkv.attention.sink_window_attention`` on the same ``LayerStorage``.
@@ -41,6 +42,11 @@ POISON_WORKSPACE = False
 # validated in the interpreter but not yet on a GPU, so off unless QSINKKV_FOLD_VALUES=1 (read
 # once, at import; the tests run both ways).
 FOLD_VALUES = os.environ.get("QSINKKV_FOLD_VALUES", "0") == "1"
+# Quantized blocks on tensor cores: the key scale folded into the query too, codes as fp16
+# operands (0..255 are exact) of fp16 dots with fp32 accumulation (``_online_update_fp16``).
+# Needs FOLD_VALUES' condition and the absolute contract; off unless QSINKKV_FP16_DOTS=1 until a
+# GPU has measured it (tests run it in the interpreter at the GPU tolerance, 3e-3).
+FP16_DOTS = os.environ.get("QSINKKV_FP16_DOTS", "0") == "1"
 
 
 @triton.jit
@@ -58,6 +64,12 @@ def _softmax_step(q_lo, q_hi, k_lo, k_hi, valid, m_i, l_i, qk_scale, DOT_PRECISI
     sum): returns the new max and sum, the rescale ``alpha [G]`` of the accumulators and ``p [G, N]``."""
     s = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
     s += tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PRECISION)
+    return _softmax_update(s, valid, m_i, l_i, qk_scale)
+
+
+@triton.jit
+def _softmax_update(s, valid, m_i, l_i, qk_scale):
+    """Raw scores ``s [G, N]`` into the running (max, sum): see ``_softmax_step``."""
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -91,16 +103,54 @@ def _online_update_codes(q_lo, q_hi, k_lo, k_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_
 
 
 @triton.jit
-def _load_codes_half(codes_ptr, row, c, DC, CH0, DHALF, t_ok, BITS: tl.constexpr, BLOCK_DH: tl.constexpr):
-    """uint8 codes of channels ``CH0 + c`` (c < DHALF) for the token rows ``row [T]`` -> float32 ``[T, BLOCK_DH]``."""
+def _online_update_fp16(qs_lo, qs_hi, qz, ck_lo, ck_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_hi, vz_hi, valid, m_i, l_i,
+                        acc_lo, acc_hi, qk_scale):
+    """A quantized block with every scale folded out, on tensor cores: keys
+    ``s = (q * s_k) @ codes^T + q . z_k`` (``qs [G, DH]`` fp32, ``qz [G]``), values as in
+    ``_online_update_codes``; codes ``[N, DH]`` fp16 (exact), fp32 accumulation. The fp16 operands
+    are scaled to at most 1 first (per query row for keys, per block for values) and the products
+    scaled back, so neither large keys nor tiny value scales leave fp16's range."""
+    q_max = tl.maximum(tl.max(tl.abs(qs_lo), axis=1), tl.max(tl.abs(qs_hi), axis=1))
+    q_max = tl.where(q_max > 0.0, q_max, 1.0)
+    s = (tl.dot((qs_lo / q_max[:, None]).to(tl.float16), tl.trans(ck_lo))
+         + tl.dot((qs_hi / q_max[:, None]).to(tl.float16), tl.trans(ck_hi))) * q_max[:, None] + qz[:, None]
+    m_new, l_i, alpha, p = _softmax_update(s, valid, m_i, l_i, qk_scale)
+    v_max_lo = tl.maximum(tl.max(vs_lo, axis=0), 1e-30)  # scales are >= 0
+    v_max_hi = tl.maximum(tl.max(vs_hi, axis=0), 1e-30)
+    acc_lo = (acc_lo * alpha[:, None] + tl.dot((p * (vs_lo / v_max_lo)[None, :]).to(tl.float16), cv_lo) * v_max_lo
+              + tl.sum(p * vz_lo[None, :], axis=1)[:, None])
+    acc_hi = (acc_hi * alpha[:, None] + tl.dot((p * (vs_hi / v_max_hi)[None, :]).to(tl.float16), cv_hi) * v_max_hi
+              + tl.sum(p * vz_hi[None, :], axis=1)[:, None])
+    return m_new, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _load_codes(block_ptr, t, c, DC, DHALF, t_ok, BITS: tl.constexpr, DTYPE: tl.constexpr = tl.float32):
+    """A block's uint8 codes (``block_ptr``: its first byte; rows of ``DC`` bytes) for the token rows
+    ``t [T]`` as ``DTYPE`` halves ``[T, BLOCK_DH]``: channels ``c`` and ``DHALF + c`` (c < DHALF).
+    int4 reads each row's bytes once: its low nibbles are the first half, its high nibbles the second
+    (``qsinkkv.quant.pack``), no shuffles. Offsets from one scalar base per block, so the compiler
+    sees contiguous rows (vector loads) and no per-element 64-bit address math."""
+    mask = t_ok[:, None] & (c[None, :] < DHALF)
+    offs = t[:, None] * DC + c[None, :]
     if BITS == 4:
-        j = tl.arange(0, BLOCK_DH // 2)
-        byte = tl.load(codes_ptr + row[:, None] * DC + CH0 // 2 + j[None, :],
-                       mask=t_ok[:, None] & (j[None, :] < DHALF // 2), other=0)
-        return tl.interleave(byte & 0xF, byte >> 4).to(tl.float32)
+        byte = tl.load(block_ptr + offs, mask=mask, other=0)
+        return _code_to(byte & 0xF, DTYPE), _code_to(byte >> 4, DTYPE)
     else:
-        return tl.load(codes_ptr + row[:, None] * DC + CH0 + c[None, :],
-                       mask=t_ok[:, None] & (c[None, :] < DHALF), other=0).to(tl.float32)
+        lo = tl.load(block_ptr + offs, mask=mask, other=0)
+        hi = tl.load(block_ptr + DHALF + offs, mask=mask, other=0)
+        return _code_to(lo, DTYPE), _code_to(hi, DTYPE)
+
+
+@triton.jit
+def _code_to(code, DTYPE: tl.constexpr):
+    """uint8 codes as ``DTYPE``. fp16 without a conversion instruction: a code sits in the mantissa
+    of 1024.0 (0x6400; its ulp is 1), so ``bits(0x6400 | code) - 1024`` is the code exactly, two
+    full-rate ops instead of a quarter-rate I2F (the fast int4 -> fp16 of TensorRT-LLM/LMDeploy)."""
+    if DTYPE == tl.float16:
+        return (code.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return code.to(DTYPE)
 
 
 @triton.jit
@@ -108,10 +158,11 @@ def _decode_kernel(
     q_ptr, sink_k_ptr, sink_v_ptr, float_k_ptr, float_v_ptr,
     key_codes_ptr, key_scale_ptr, key_zero_ptr, value_codes_ptr, value_scale_ptr, value_zero_ptr,
     sink_table_ptr, float_table_ptr, quant_table_ptr, seq_lens_ptr, inv_freq_ptr, part_acc_ptr, part_ml_ptr,
-    qk_scale, H_KV, G, D, S, W, R, NQ, FS, SINK_PAGES, FLOAT_BLOCKS, QUANT_BLOCKS, BLOCKS_PER_SPLIT,
-    BS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
+    qk_scale, H_KV, G, S, W, R, NQ, FS, SINK_PAGES, FLOAT_BLOCKS, QUANT_BLOCKS, BLOCKS_PER_SPLIT,
+    D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
     ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_V: tl.constexpr, GROUP_HI: tl.constexpr,
+    FP16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -173,46 +224,61 @@ def _decode_kernel(
         kv_mask = ok[:, None] & c_ok[None, :]
         if BITS != 16 and blk < qb:
             slot = h * QUANT_BLOCKS + tl.load(quant_table_ptr + b * NQ + blk % NQ)  # the ring slot's block
-            rows = slot * BS + t                             # token rows of codes / value stats
             CPB: tl.constexpr = 2 if BITS == 4 else 1
-            DC = D // CPB
-            NG = D // GROUP
-            k_lo = _load_codes_half(key_codes_ptr, rows, c, DC, 0, DH, t_ok, BITS, BLOCK_DH)
-            k_hi = _load_codes_half(key_codes_ptr, rows, c, DC, DH, DH, t_ok, BITS, BLOCK_DH)
-            ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-            ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-            kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-            kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-            # Keys stay dequantized per element: folding the scale into q costs as much on the padded
-            # [BLOCK_G, DH] query tile (kernel_sass.py: int8 0.48 -> 0.51 warp-instr/byte, spills back),
-            # and a transposed dot of tl.interleave's result is wrong on the H200 (int4).
-            k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
-            k_hi = k_hi * ks_hi[None, :] + kz_hi[None, :]
-            v_lo = _load_codes_half(value_codes_ptr, rows, c, DC, 0, DH, t_ok, BITS, BLOCK_DH)
-            v_hi = _load_codes_half(value_codes_ptr, rows, c, DC, DH, DH, t_ok, BITS, BLOCK_DH)
-            if ROPE:
-                k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
-            if FOLD_V:  # each half in one value group: scales and zeros per token, [BS] vectors
-                vs_lo = tl.load(value_scale_ptr + rows * NG, mask=ok, other=0.0).to(tl.float32)
-                vz_lo = tl.load(value_zero_ptr + rows * NG, mask=ok, other=0.0).to(tl.float32)
-                vs_hi = tl.load(value_scale_ptr + rows * NG + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
-                vz_hi = tl.load(value_zero_ptr + rows * NG + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
-                m_i, l_i, acc_lo, acc_hi = _online_update_codes(
-                    q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi,
-                    qk_scale, DOT_PRECISION)
+            DC: tl.constexpr = D // CPB
+            NG: tl.constexpr = D // GROUP
+            key_block = key_codes_ptr + slot * (BS * DC)     # scalar bases: one address computation per block
+            value_block = value_codes_ptr + slot * (BS * DC)
+            stats = slot * (BS * NG) + t * NG                # the block's per-token value stats, group 0
+            if FP16:  # tensor cores, every scale folded out (implies FOLD_V and the absolute contract)
+                ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, tl.float16)
+                ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+                ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+                kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+                kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+                qz = tl.sum(q_lo * kz_lo[None, :], axis=1) + tl.sum(q_hi * kz_hi[None, :], axis=1)
+                cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, tl.float16)
+                vs_lo = tl.load(value_scale_ptr + stats, mask=ok, other=0.0).to(tl.float32)
+                vz_lo = tl.load(value_zero_ptr + stats, mask=ok, other=0.0).to(tl.float32)
+                vs_hi = tl.load(value_scale_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+                vz_hi = tl.load(value_zero_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+                m_i, l_i, acc_lo, acc_hi = _online_update_fp16(
+                    q_lo * ks_lo[None, :], q_hi * ks_hi[None, :], qz,
+                    ck_lo, ck_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi, qk_scale)
             else:
-                st_mask = t_ok[:, None] & c_ok[None, :]
-                grp_lo = rows[:, None] * NG + c[None, :] // GROUP
-                grp_hi = rows[:, None] * NG + (DH + c[None, :]) // GROUP
-                v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
-                        + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
-                v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
-                        + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
-                # codes of stale tokens are real data, but keep masked rows at exactly zero
-                v_lo = tl.where(kv_mask, v_lo, 0.0)
-                v_hi = tl.where(kv_mask, v_hi, 0.0)
-                m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
-                                                          acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+                k_lo, k_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS)
+                ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+                ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+                kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+                kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+                # Keys stay dequantized per element: folding the scale into q costs as much on the padded
+                # [BLOCK_G, DH] query tile (kernel_sass.py: int8 0.48 -> 0.51 warp-instr/byte, spills back).
+                k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
+                k_hi = k_hi * ks_hi[None, :] + kz_hi[None, :]
+                v_lo, v_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS)
+                if ROPE:
+                    k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
+                if FOLD_V:  # each half in one value group: scales and zeros per token, [BS] vectors
+                    vs_lo = tl.load(value_scale_ptr + stats, mask=ok, other=0.0).to(tl.float32)
+                    vz_lo = tl.load(value_zero_ptr + stats, mask=ok, other=0.0).to(tl.float32)
+                    vs_hi = tl.load(value_scale_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+                    vz_hi = tl.load(value_zero_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+                    m_i, l_i, acc_lo, acc_hi = _online_update_codes(
+                        q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi,
+                        qk_scale, DOT_PRECISION)
+                else:
+                    st_mask = t_ok[:, None] & c_ok[None, :]
+                    grp_lo = stats[:, None] + c[None, :] // GROUP
+                    grp_hi = stats[:, None] + (DH + c[None, :]) // GROUP
+                    v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
+                            + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
+                    v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
+                            + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
+                    # codes of stale tokens are real data, but keep masked rows at exactly zero
+                    v_lo = tl.where(kv_mask, v_lo, 0.0)
+                    v_hi = tl.where(kv_mask, v_hi, 0.0)
+                    m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
+                                                              acc_lo, acc_hi, qk_scale, DOT_PRECISION)
         else:
             fblk = tl.load(float_table_ptr + b * FS + blk % FS)  # the float-ring slot's block
             rows = ((h * FLOAT_BLOCKS + fblk) * BS + t) * D
@@ -263,18 +329,22 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_logits_ptr, out_ptr, H_KV, G, 
 
 
 def decode_constexprs(cfg, head_dim: int, group_heads: int, splits: int, *, rope: bool, interpret: bool,
-                      fold_values: bool | None = None) -> dict:
+                      fold_values: bool | None = None, fp16_dots: bool | None = None) -> dict:
     """The compile-time arguments of ``_decode_kernel`` (shared with benchmarks/kernel_sass.py)."""
     fold_values = FOLD_VALUES if fold_values is None else fold_values
+    fp16_dots = FP16_DOTS if fp16_dots is None else fp16_dots
     D = head_dim
+    # a value group holding a whole half: its scale and zero fold out of the per-element work
+    fold_v = cfg.bits != 16 and cfg.value_group_size % (D // 2) == 0
     return dict(
-        BS=cfg.block_size, BITS=cfg.bits, GROUP=cfg.value_group_size if cfg.bits != 16 else 1, SPLITS=splits,
+        D=D, BS=cfg.block_size, BITS=cfg.bits, GROUP=cfg.value_group_size if cfg.bits != 16 else 1, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group_heads)), BLOCK_DH=max(16, triton.next_power_of_2(D // 2)),
         BLOCK_T=max(16, triton.next_power_of_2(cfg.block_size)), BLOCK_S=16,
         ROPE=rope, DOT_PRECISION="ieee" if interpret else "tf32",
-        # a value group holding a whole half: its scale and zero fold out of the per-element work
-        FOLD_V=fold_values and cfg.bits != 16 and cfg.value_group_size % (D // 2) == 0,
+        FOLD_V=(fold_values or fp16_dots) and fold_v,
         GROUP_HI=(D // 2) // cfg.value_group_size if cfg.bits != 16 else 0,
+        # keys fold too: they turn by their own index under cache_index, which does not fold
+        FP16=fp16_dots and fold_v and not rope,
     )
 
 
@@ -342,7 +412,7 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,
         layer.sink_table.contiguous(), layer.float_table.contiguous(), layer.quant_table.contiguous(),
         seq_lens, inv_freq, part_acc, part_ml,
-        qk_scale, Hkv, G, D, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
+        qk_scale, Hkv, G, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
         max(L.float_slots, 1), layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1],
         triton.cdiv(max_blocks, splits),
         **decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET),

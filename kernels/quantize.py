@@ -3,7 +3,8 @@
 Same layout, same rounding: scale = ``(max - min) / qmax`` (IEEE division) rounded to
 ``scale_dtype``, zero = ``min`` rounded to ``scale_dtype``, codes
 ``floor((x - zero) / scale + 0.5)`` clamped to ``[0, qmax]`` from the stored values;
-int4 packs channel ``2j`` in the low nibble and ``2j + 1`` in the high nibble.
+int4 packs channel ``j`` in the low nibble and ``j + D/2`` in the high nibble of byte ``j``
+(``qsinkkv.quant.pack``): both kernels work on the two halves of the channels as two tiles.
 Divisions use ``div_rn`` (correctly rounded) so GPU codes match the CPU reference.
 """
 from __future__ import annotations
@@ -40,65 +41,85 @@ def _codes(x, scale, zero, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _pack_last(codes, BITS: tl.constexpr):
-    """[..., 2n] uint8 codes -> [..., n] bytes (int4) ; int8 is returned as is."""
-    if BITS == 4:
-        lo, hi = tl.split(tl.reshape(codes, codes.shape[:-1] + [codes.shape[-1] // 2, 2]))
-        return lo | (hi << 4)
-    else:
-        return codes
+def _channel_stats(x, ok, QMAX: tl.constexpr, SCALE_DTYPE: tl.constexpr):
+    """Per-channel (column) scale and zero of a block tile ``x [T, C]`` over its ``ok`` entries,
+    rounded to the storage dtype (columns with no entry get 0, never inf - inf)."""
+    col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
+    lo = tl.where(col_ok, tl.min(tl.where(ok, x, float("inf")), axis=0), 0.0)
+    hi = tl.where(col_ok, tl.max(tl.where(ok, x, float("-inf")), axis=0), 0.0)
+    return _to_scale_dtype(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE), _to_scale_dtype(lo, SCALE_DTYPE)
 
 
 @triton.jit
 def _quantize_key_blocks_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, D,
                                 BS: tl.constexpr, BITS: tl.constexpr, SCALE_DTYPE: tl.constexpr,
-                                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    # one program per block of BS tokens: stats per channel over the block's tokens
+                                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one program per block of BS tokens: stats per channel over the block's tokens; int4 works
+    # on the two halves of the channels (the low and the high nibbles), int8 on all D at once
     blk = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
-    d = tl.arange(0, BLOCK_D)
-    mask = (t[:, None] < BS) & (d[None, :] < D)
-    x = tl.load(x_ptr + blk * BS * D + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    lo = tl.where(d < D, tl.min(tl.where(mask, x, float("inf")), axis=0), 0.0)
-    hi = tl.where(d < D, tl.max(tl.where(mask, x, float("-inf")), axis=0), 0.0)
+    c = tl.arange(0, BLOCK_C)
     QMAX: tl.constexpr = (1 << BITS) - 1
-    scale = _to_scale_dtype(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE)
-    zero = _to_scale_dtype(lo, SCALE_DTYPE)
-    tl.store(scale_ptr + blk * D + d, scale, mask=d < D)
-    tl.store(zero_ptr + blk * D + d, zero, mask=d < D)
-    packed = _pack_last(_codes(x, scale[None, :], zero[None, :], QMAX), BITS)
-    CPB: tl.constexpr = 2 if BITS == 4 else 1
-    j = tl.arange(0, BLOCK_D // CPB)
-    DC = D // CPB
-    tl.store(codes_ptr + blk * BS * DC + t[:, None] * DC + j[None, :], packed,
-             mask=(t[:, None] < BS) & (j[None, :] < DC))
+    C = D // 2 if BITS == 4 else D           # channels per tile; also the bytes per token row
+    ok = (t[:, None] < BS) & (c[None, :] < C)
+    rows = blk * BS * D + t[:, None] * D + c[None, :]
+    x = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    scale, zero = _channel_stats(x, ok, QMAX, SCALE_DTYPE)
+    tl.store(scale_ptr + blk * D + c, scale, mask=c < C)
+    tl.store(zero_ptr + blk * D + c, zero, mask=c < C)
+    codes = _codes(x, scale[None, :], zero[None, :], QMAX)
+    if BITS == 4:
+        x_hi = tl.load(x_ptr + rows + C, mask=ok, other=0.0).to(tl.float32)
+        scale_hi, zero_hi = _channel_stats(x_hi, ok, QMAX, SCALE_DTYPE)
+        tl.store(scale_ptr + blk * D + C + c, scale_hi, mask=c < C)
+        tl.store(zero_ptr + blk * D + C + c, zero_hi, mask=c < C)
+        codes = codes | (_codes(x_hi, scale_hi[None, :], zero_hi[None, :], QMAX) << 4)
+    tl.store(codes_ptr + blk * BS * C + t[:, None] * C + c[None, :], codes, mask=ok)
 
 
 @triton.jit
-def _quantize_values_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, D,
-                            GROUP: tl.constexpr, BITS: tl.constexpr, SCALE_DTYPE: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_G: tl.constexpr):
-    # one program per BLOCK_T tokens; tile [token, group, channel-in-group]
+def _quantize_values_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, D, GROUP,
+                            BITS: tl.constexpr, SCALE_DTYPE: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one program per BLOCK_T tokens, stats per token within groups of GROUP channels. The channels
+    # are one tile (int8) or two, the halves the nibbles hold (int4); a group may span both halves,
+    # so each group's stats take the entries of either tile that belong to it
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    g = tl.arange(0, BLOCK_NG)
-    c = tl.arange(0, BLOCK_G)
-    NG = D // GROUP
-    t3, g3, c3 = t[:, None, None], g[None, :, None], c[None, None, :]
-    mask = (t3 < N) & (g3 < NG) & (c3 < GROUP)
-    x = tl.load(x_ptr + t3 * D + g3 * GROUP + c3, mask=mask, other=0.0).to(tl.float32)
-    smask = (t[:, None] < N) & (g[None, :] < NG)
-    lo = tl.where(smask, tl.min(tl.where(mask, x, float("inf")), axis=2), 0.0)
-    hi = tl.where(smask, tl.max(tl.where(mask, x, float("-inf")), axis=2), 0.0)
+    c = tl.arange(0, BLOCK_C)
     QMAX: tl.constexpr = (1 << BITS) - 1
-    scale = _to_scale_dtype(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE)
-    zero = _to_scale_dtype(lo, SCALE_DTYPE)
-    tl.store(scale_ptr + t[:, None] * NG + g[None, :], scale, mask=smask)
-    tl.store(zero_ptr + t[:, None] * NG + g[None, :], zero, mask=smask)
-    packed = _pack_last(_codes(x, scale[:, :, None], zero[:, :, None], QMAX), BITS)
-    CPB: tl.constexpr = 2 if BITS == 4 else 1
-    j = tl.arange(0, BLOCK_G // CPB)[None, None, :]
-    tl.store(codes_ptr + t3 * (D // CPB) + g3 * (GROUP // CPB) + j, packed,
-             mask=(t3 < N) & (g3 < NG) & (j < GROUP // CPB))
+    C = D // 2 if BITS == 4 else D
+    NG = D // GROUP
+    ok = (t[:, None] < N) & (c[None, :] < C)
+    rows = t[:, None] * D + c[None, :]
+    x_lo = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_ptr + rows + C, mask=ok & (BITS == 4), other=0.0).to(tl.float32)
+    grp_lo = (c // GROUP)[None, :]
+    grp_hi = ((c + C) // GROUP)[None, :]
+    s_lo = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    z_lo = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    s_hi = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    z_hi = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for g in range(0, NG):
+        in_lo = ok & (grp_lo == g)
+        in_hi = ok & (grp_hi == g) & (BITS == 4)
+        lo = tl.minimum(tl.min(tl.where(in_lo, x_lo, float("inf")), axis=1),
+                        tl.min(tl.where(in_hi, x_hi, float("inf")), axis=1))
+        hi = tl.maximum(tl.max(tl.where(in_lo, x_lo, float("-inf")), axis=1),
+                        tl.max(tl.where(in_hi, x_hi, float("-inf")), axis=1))
+        lo = tl.where(t < N, lo, 0.0)  # rows past N: no entry, never inf - inf
+        hi = tl.where(t < N, hi, 0.0)
+        scale = _to_scale_dtype(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE)
+        zero = _to_scale_dtype(lo, SCALE_DTYPE)
+        tl.store(scale_ptr + t * NG + g, scale, mask=t < N)
+        tl.store(zero_ptr + t * NG + g, zero, mask=t < N)
+        s_lo = tl.where(grp_lo == g, scale.to(tl.float32)[:, None], s_lo)
+        z_lo = tl.where(grp_lo == g, zero.to(tl.float32)[:, None], z_lo)
+        s_hi = tl.where(grp_hi == g, scale.to(tl.float32)[:, None], s_hi)
+        z_hi = tl.where(grp_hi == g, zero.to(tl.float32)[:, None], z_hi)
+    codes = _codes(x_lo, s_lo, z_lo, QMAX)
+    if BITS == 4:
+        codes = codes | (_codes(x_hi, s_hi, z_hi, QMAX) << 4)
+    tl.store(codes_ptr + t[:, None] * C + c[None, :], codes, mask=ok)
 
 
 def _check(name: str, x: Tensor, bits: int, scale_dtype: torch.dtype) -> None:
@@ -109,7 +130,8 @@ def _check(name: str, x: Tensor, bits: int, scale_dtype: torch.dtype) -> None:
     if scale_dtype not in _TL_DTYPE:
         raise ValueError(f"scale_dtype must be one of {list(_TL_DTYPE)}, got {scale_dtype!r}")
     if bits == 4 and x.shape[-1] % 2:
-        raise ValueError(f"int4 packs channel pairs and needs an even last dimension, got {x.shape[-1]}")
+        raise ValueError(f"int4 packs the two halves of the channels and needs an even last dimension, "
+                         f"got {x.shape[-1]}")
 
 
 def quantize_key_blocks(k: Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,8 +149,8 @@ def quantize_key_blocks(k: Tensor, bits: int, scale_dtype: torch.dtype) -> tuple
     zero = torch.empty_like(scale)
     if nblk:
         _quantize_key_blocks_kernel[(nblk,)](x, codes, scale, zero, D, BS=bs, BITS=bits,
-                                             SCALE_DTYPE=_TL_DTYPE[scale_dtype],
-                                             BLOCK_T=triton.next_power_of_2(bs), BLOCK_D=triton.next_power_of_2(D))
+                                             SCALE_DTYPE=_TL_DTYPE[scale_dtype], BLOCK_T=triton.next_power_of_2(bs),
+                                             BLOCK_C=triton.next_power_of_2(D // codes_per_byte(bits)))
     check_scales_fit(scale, zero, k)
     return codes, scale, zero
 
@@ -138,8 +160,8 @@ def quantize_values(v: Tensor, bits: int, group_size: int, scale_dtype: torch.dt
     ``[..., T, D/group_size]`` in ``scale_dtype``. Same as ``qsinkkv.quant.quantize_values``."""
     _check("v", v, bits, scale_dtype)
     D = v.shape[-1]
-    if D % group_size or (bits == 4 and group_size % 2):
-        raise ValueError(f"group_size must divide D={D} (and be even for int4), got {group_size}")
+    if D % group_size:
+        raise ValueError(f"group_size must divide D={D}, got {group_size}")
     x = v.contiguous()
     N = x.numel() // D
     codes = torch.empty(*v.shape[:-1], D // codes_per_byte(bits), dtype=torch.uint8, device=v.device)
@@ -148,9 +170,8 @@ def quantize_values(v: Tensor, bits: int, group_size: int, scale_dtype: torch.dt
     BLOCK_T = 16
     if N:
         _quantize_values_kernel[(triton.cdiv(N, BLOCK_T),)](
-            x, codes, scale, zero, N, D, GROUP=group_size, BITS=bits, SCALE_DTYPE=_TL_DTYPE[scale_dtype],
-            BLOCK_T=BLOCK_T, BLOCK_NG=triton.next_power_of_2(D // group_size),
-            BLOCK_G=max(triton.next_power_of_2(group_size), 2))
+            x, codes, scale, zero, N, D, group_size, BITS=bits, SCALE_DTYPE=_TL_DTYPE[scale_dtype],
+            BLOCK_T=BLOCK_T, BLOCK_C=triton.next_power_of_2(D // codes_per_byte(bits)))
     check_scales_fit(scale, zero, v)
     return codes, scale, zero
 

@@ -63,10 +63,6 @@ class CacheConfig:
             _fail("bits", "one of the ints 16, 8, 4", self.bits)
         _check_int("block_size", self.block_size, 1)
         _check_int("value_group_size", self.value_group_size, 1)
-        if self.bits == 4 and self.value_group_size % 2:
-            # a byte holds channels 2j and 2j+1: both must share one value group
-            _fail("value_group_size", "even with bits=4 (a byte packs two channels of one group)",
-                  self.value_group_size)
         _check_int("residual_tokens", self.residual_tokens, 0)
         if self.residual_tokens > self.recent_tokens:
             _fail("residual_tokens", f"<= recent_tokens ({self.recent_tokens})", self.residual_tokens)

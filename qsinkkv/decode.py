@@ -12,12 +12,14 @@ dequantization into the two products instead:
   scores[t] = sum_d q_d (c_td s_d + z_d)        = sum_d (q_d s_d) c_td + sum_d q_d z_d
   out_d     = sum_t p_t (c_td s_tg + z_tg)      = sum_t (p_t s_tg) c_td + sum_t p_t z_tg,  g = d // G
 
-so the codes are only converted to float, never scaled, shifted or interleaved (int4:
-even channels are the low nibbles, odd ones the high nibbles; the query and the output are
-split the same way). Absolute contract only: under ``cache_index`` every key is rotated by
+so the codes are only converted to float, never scaled or shifted (int4: the low nibbles are
+the first half of the channels, the high nibbles the second; the query and the output are
+split into the same halves). Absolute contract only: under ``cache_index`` every key is rotated by
 its own index, which does not fold; the cache uses the reference there.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -75,28 +77,27 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
     out += pT[..., S + nq * bs:] @ read("float_v", s.float_table).flatten(2, 3).float()
     if nq:
         t = s.quant_table
-        gs = cfg.value_group_size
-        ng = D // gs
         p_q = pT[..., S:S + nq * bs]                                            # [Hkv, B, G, Nq]
         v_scale = read("value_scale", t).float().flatten(2, 3)                  # [Hkv, B, Nq, ng]
         v_zero = read("value_zero", t).float().flatten(2, 3)
-        codes = [c.flatten(2, 3).unflatten(-1, (ng, -1))
-                 for c in _split_codes(read("value_codes", t), cfg.bits, "value")]
-        parts = []                                                              # per group: [Hkv, B, G, gs]
-        for n in range(ng):
-            ps = p_q * v_scale[..., n].unsqueeze(2)                             # [Hkv, B, G, Nq]
-            planes = [ps @ c[..., n, :] for c in codes]                         # [Hkv, B, G, gs / k] each
-            part = torch.stack(planes, dim=-1).flatten(-2) if len(planes) == 2 else planes[0]
-            bias = torch.linalg.vecdot(p_q, v_zero[..., n].unsqueeze(2))        # [Hkv, B, G]: sum_t p_t z_tn
-            parts.append(part.add_(bias.unsqueeze(-1)))
-        out += torch.cat(parts, dim=-1) if ng > 1 else parts[0]
+        planes = [c.flatten(2, 3) for c in _split_codes(read("value_codes", t), cfg.bits, "value")]
+        folded = {}                                                             # group -> (p * s_v, sum p z_v)
+        parts = []                                                              # [Hkv, B, G, width], in channel order
+        for plane, lo, hi, n in _plane_groups(D, cfg.value_group_size, len(planes)):
+            if n not in folded:
+                folded[n] = (p_q * v_scale[..., n].unsqueeze(2),                # [Hkv, B, G, Nq]
+                             torch.linalg.vecdot(p_q, v_zero[..., n].unsqueeze(2)).unsqueeze(-1))  # [Hkv, B, G, 1]
+            ps, bias = folded[n]
+            parts.append((ps @ planes[plane][..., lo:hi]).add_(bias))
+        out += torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     return out.transpose(0, 1).reshape(B, Hkv * G, D).to(q.dtype)
 
 
 def _split_codes(codes: Tensor, bits: int, role: str) -> list[Tensor]:
-    """float codes: int8 as one tensor; int4 as (even channels, odd channels). Written into
-    workspace buffers that live across calls: a window's worth of float codes allocated afresh at
-    every layer of every step costs more in page faults than the conversion itself."""
+    """float codes as planes of channels: int8 as one tensor; int4 as (first half, second half):
+    the low and the high nibbles. Written into workspace buffers that live across calls: a
+    window's worth of float codes allocated afresh at every layer of every step costs more in
+    page faults than the conversion itself."""
     shape, dev = codes.shape, codes.device
     if bits != 4:
         return [_workspace((role, "f0"), shape, torch.float32, dev).copy_(codes)]
@@ -119,8 +120,23 @@ def _workspace(name: tuple, shape: torch.Size, dtype: torch.dtype, device: torch
 
 
 def _split_channels(x: Tensor, bits: int) -> list[Tensor]:
-    """``x [..., D]`` as the codes' planes: int4 (even channels, odd channels) as strided views."""
-    return [x[..., 0::2], x[..., 1::2]] if bits == 4 else [x]
+    """``x [..., D]`` as the codes' planes: int4 (first half, second half) as views."""
+    return list(x.chunk(2, dim=-1)) if bits == 4 else [x]
+
+
+@functools.lru_cache(maxsize=64)
+def _plane_groups(D: int, group_size: int, num_planes: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``(plane, lo, hi, group)`` for each run of channels of one value group inside one plane
+    (``num_planes`` equal, consecutive ranges of the D channels), in channel order: plane columns
+    ``[lo, hi)`` share the scale and zero of ``group``. A group may span two planes."""
+    width, runs = D // num_planes, []
+    for ch in range(D):
+        plane, col, n = ch // width, ch % width, ch // group_size
+        if runs and runs[-1][0] == plane and runs[-1][3] == n:
+            runs[-1][2] = col + 1
+        else:
+            runs.append([plane, col, col + 1, n])
+    return tuple(tuple(r) for r in runs)
 
 
 def decode_attention_reference(q: Tensor, layer: LayerStorage, *, scale: float | None = None,

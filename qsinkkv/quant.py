@@ -2,8 +2,10 @@
 
 Asymmetric integer codes (KIVI): ``x ≈ code * scale + zero`` with ``zero = min`` and
 ``scale = (max - min) / (2**bits - 1)`` over a reduction group, codes in ``[0, 2**bits - 1]``
-stored as uint8. int4 packs two codes per byte along the channel axis: channel ``2j`` in
-the low nibble, channel ``2j + 1`` in the high nibble.
+stored as uint8. int4 packs two codes per byte, split by halves of the channel axis: byte ``j``
+holds channel ``j`` in its low nibble and channel ``j + D/2`` in its high nibble, so each nibble
+plane is one contiguous half of the channels (the half split RoPE's ``rotate_half`` pairs): a
+kernel reads a row's bytes once and gets both halves with a mask and a shift, no shuffles.
 
 Rounding rule (the Triton kernels use the same, so codes are bit-identical):
 scale and zero are rounded to the storage ``scale_dtype`` first, and codes are computed
@@ -69,19 +71,21 @@ def dequantize_asym(codes: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:
-    """Pack uint8 codes along the last axis: int4 -> two per byte ``[..., D] -> [..., D/2]``; int8 as is."""
+    """Pack uint8 codes along the last axis: int4 -> two per byte ``[..., D] -> [..., D/2]``, the
+    first half of the channels in the low nibbles, the second half in the high ones; int8 as is."""
     if bits == 8:
         return codes
     if codes.shape[-1] % 2:
         raise ValueError(f"int4 packing needs an even last dimension, got {codes.shape[-1]}")
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
 
 
 def unpack(packed: Tensor, bits: int) -> Tensor:
     """Inverse of ``pack``: ``[..., D/2] -> [..., D]`` uint8 codes for int4; int8 as is."""
     if bits == 8:
         return packed
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    return torch.cat((packed & 0xF, packed >> 4), dim=-1)
 
 
 # --- keys: per channel within a block of tokens -------------------------------------------

@@ -135,7 +135,6 @@ def test_bad_construction(kwargs, msg):
     ("bits", True, r"CacheConfig.bits must be one of the ints 16, 8, 4"),
     ("block_size", 0, r"CacheConfig.block_size must be an int >= 1, got 0"),
     ("value_group_size", 1.5, r"CacheConfig.value_group_size must be an int >= 1, got 1.5"),
-    ("value_group_size", 3, r"CacheConfig.value_group_size must be even with bits=4"),
     ("residual_tokens", 11, r"CacheConfig.residual_tokens must be <= recent_tokens \(10\), got 11"),
     ("positions", "relative", r"CacheConfig.positions must be 'absolute' or 'cache_index', got 'relative'"),
     ("sink_dtype", torch.int8, r"CacheConfig.sink_dtype must be one of"),

@@ -18,8 +18,10 @@ def test_int4_pack_round_trip(shape, half, seed):
 
 
 def test_int4_nibble_order():
-    # channel 2j in the low nibble, 2j+1 in the high nibble: the kernels rely on it
-    assert quant.pack(torch.tensor([3, 10], dtype=torch.uint8), 4).item() == 3 | (10 << 4)
+    # byte j: channel j in the low nibble, channel j + D/2 in the high one (the kernels and the
+    # folded CPU path read each nibble plane as one half of the channels)
+    codes = torch.tensor([3, 10, 7, 12], dtype=torch.uint8)
+    assert quant.pack(codes, 4).tolist() == [3 | (7 << 4), 10 | (12 << 4)]
 
 
 def test_int8_pack_is_identity():

@@ -41,13 +41,16 @@ def test_serve_each_request_equals_its_run_alone(model_tok, bits):
         alone = serve.Request(r.name, 0, r.prompt, r.max_new)
         serve.serve(model, cfg, [alone], 1, 32, log=lambda *_: None)
         # The model's K/V differ between batch shapes in their last float32 bits, and storing them rounds to
-        # a neighbouring bf16 value or int4 code now and then: logits drift (bits=16: ~0.04, int4: ~0.2
-        # measured). Exact for bits=16 here; int4 tokens may part only where the logits drift by more than
-        # the alone run's top-two margin (a near-tie). The cache itself is exact: test_paged.py.
+        # a neighbouring bf16 value or int4 code now and then: logits drift (bits=16: ~0.04; int4: ~0.2 on one
+        # host, up to 0.94 on a 2-core AMD EPYC host on 2026-12-01, where MKL rounds batch shapes differently,
+        # with the code of that day and of the day before alike). Exact for bits=16 here; int4 tokens may part
+        # only where the logits drift by more than the alone run's top-two margin (a near-tie), and the drift
+        # stays under 2: a row reading another row's blocks drifts by 4-11 from the first token (measured by
+        # that mutation). The cache itself is exact: test_paged.py.
         k = next((i for i, (x, y) in enumerate(zip(alone.out, r.out)) if x != y), None)
         if bits == 16 or k is None:
             assert alone.out == r.out, r.name
         else:
             top2 = alone.logits[k].topk(2).values
             drift = max((a - b).abs().max().item() for a, b in zip(alone.logits[:k + 1], r.logits[:k + 1]))
-            assert float(top2[0] - top2[1]) < 2 * drift < 1.0, (r.name, k)
+            assert float(top2[0] - top2[1]) < 2 * drift and drift < 2.0, (r.name, k, drift)

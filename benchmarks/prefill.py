@@ -90,10 +90,13 @@ def main():
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
         sdpa_fn, sdpa_form = sdpa_gqa, "enable_gqa"
-        if cuda:
+        if cuda:  # a fused kernel for GQA (never a silent fallback to the math path), else K/V expanded beforehand
+            from torch.nn.attention import SDPBackend, sdpa_kernel
             try:
-                sdpa_gqa()
-            except (RuntimeError, torch.OutOfMemoryError):  # no fused GQA kernel here: K/V expanded beforehand
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                  SDPBackend.CUDNN_ATTENTION]):
+                    sdpa_gqa()
+            except RuntimeError:  # (torch.OutOfMemoryError is one)
                 k_exp, v_exp = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
                 sdpa_fn = lambda: F.scaled_dot_product_attention(q, k_exp, v_exp, is_causal=True)  # noqa: E731
                 sdpa_form = "expanded"
@@ -111,6 +114,9 @@ def main():
             with open(a.json, "w") as f:
                 json.dump(dict(date=time.strftime("%Y-%m-%d"), device=a.device, shape=a.shape, dtype=a.dtype,
                                rows=rows), f, indent=1)
+    if cuda:
+        print(f"# causal SDPA form: {', '.join(sorted({r['sdpa_form'] for r in rows}))} (enable_gqa: a fused GQA "
+              "kernel on the Hkv heads; expanded: no fused kernel took it, K/V repeated to all heads beforehand)")
 
 
 if __name__ == "__main__":

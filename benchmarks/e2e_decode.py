@@ -35,7 +35,9 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
+import traceback
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
@@ -136,6 +138,21 @@ def kv_bytes_per_seq(kind: str, model, context: int) -> int:
     return n_layers * one.nbytes()  # every layer holds the same
 
 
+def run_one(kind: str, model, tokens: torch.Tensor, context: int, a) -> tuple[dict, torch.Tensor]:
+    """Fill a cache of ``kind``, time its decode steps: (row, first-step logits)."""
+    device = model.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = make_cache(kind, model, tokens.shape[1], context, a.new, a.backend, a.seed)
+    times, logits = time_decode(model, cache, tokens, context, a.warmup)
+    row = dict(cache=kind, ms_per_step=statistics.median(times), step_ms=times)
+    if kind == "qsinkkv":
+        row["held_bytes"] = cache.nbytes()  # capacity context + new + 4 sinks, all B sequences
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30  # the model's weights included
+    return row, logits
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model, B 2, context 128, float32: a smoke test")
@@ -170,33 +187,32 @@ def main():
           f"{'tiny' if a.tiny else 'Llama-3-8B-shaped'} model, random weights ({n_layers} layers, Hkv {Hkv}, D {D}); "
           f"B {B}, context {context:,}; median of {a.steps} steps after {a.warmup}; KV budget {a.budget_gb:g} GiB")
     rows, logits = [], {}
-    for kind in a.caches:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        cache = make_cache(kind, model, B, context, a.new, a.backend, a.seed)
-        times, logits[kind] = time_decode(model, cache, tokens, context, a.warmup)
-        per_seq = kv_bytes_per_seq(kind, model, context)
-        row = dict(cache=kind, ms_per_step=statistics.median(times), step_ms=times, kv_bytes_per_seq=per_seq,
-                   seqs_in_budget=int(budget // per_seq), held_bytes=None)
-        if kind == "qsinkkv":
-            row["held_bytes"] = cache.nbytes()  # capacity context + new + 4 sinks, all B sequences
-        if device.type == "cuda":
-            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    for kind in a.caches:  # one failing cache (e.g. out of memory) does not lose the others' rows
+        try:
+            row, logits[kind] = run_one(kind, model, tokens, context, a)
+        except Exception as e:  # noqa: BLE001 - reported in the table and the exit status
+            traceback.print_exc()
+            row = dict(cache=kind, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        row["kv_bytes_per_seq"] = kv_bytes_per_seq(kind, model, context)
+        row["seqs_in_budget"] = int(budget // row["kv_bytes_per_seq"])
         rows.append(row)
-        del cache
-        gc.collect()
+        gc.collect()  # the cache is gone with run_one's frame (QSinkKVCache holds a cycle)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    base = next((r for r in rows if r["cache"] == "static"), None)
+    base = next((r for r in rows if r["cache"] == "static" and "error" not in r), None)
     short = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
     cols = ["cache", "ms/step", "x StaticCache", "KV bytes/seq", f"seqs in {a.budget_gb:g} GiB", f"x {short}"]
     print("| " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * (len(cols) - 1))
     bf16_seqs = int(budget // kv_bytes_per_seq("static", model, context))
     for r in rows:
-        speed = "-" if base is None else f"{base['ms_per_step'] / r['ms_per_step']:.2f}"
-        print(f"| {NAMES[r['cache']]} | {r['ms_per_step']:.2f} | {speed} | {r['kv_bytes_per_seq']:,} | "
-              f"{r['seqs_in_budget']:,} | {r['seqs_in_budget'] / max(bf16_seqs, 1):.2f} |")
+        ms = r.get("ms_per_step")
+        speed = "-" if base is None or ms is None else f"{base['ms_per_step'] / ms:.2f}"
+        print(f"| {NAMES[r['cache']]} | {'failed' if ms is None else f'{ms:.2f}'} | {speed} | "
+              f"{r['kv_bytes_per_seq']:,} | {r['seqs_in_budget']:,} | {r['seqs_in_budget'] / max(bf16_seqs, 1):.2f} |")
+    for r in rows:
+        if "error" in r:
+            print(f"# {r['cache']} failed: {r['error']}")
     if "static" in logits:
         ref = logits["static"]
         for kind, lg in logits.items():
@@ -211,6 +227,7 @@ def main():
                            batch=B, context=context, steps=a.steps, warmup=a.warmup, budget_gib=a.budget_gb,
                            torch=torch.__version__, transformers=__import__("transformers").__version__,
                            rows=rows), f, indent=1)
+    sys.exit(1 if any("error" in r for r in rows) else 0)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 
 One new query per sequence attends over ``L`` visible tokens (4 sinks + L-4 recent). The
 baselines hold the same L tokens in bf16: SDPA with K/V already expanded to all query heads,
-and SDPA's GQA-native form (``enable_gqa=True``). On a GPU, times are medians of
+and SDPA's GQA-native form (``enable_gqa=True``): ``x sdpa`` and (GPU) ``x gqa`` are their
+times / ours. On a GPU, times are medians of
 ``triton.testing.do_bench`` in one run; GB/s counts the bytes our kernel must read (the
 visible blocks' codes, scales and zeros, the bf16 sinks and filling block, from
 ``qsinkkv.layout``), and ``%copy`` compares it with this device's copy bandwidth measured
@@ -73,6 +74,7 @@ def bench_gpu(args):
     print(f"# {name}: copy bandwidth {copy_gbs:,.0f} GB/s (read + write)")
     print_header(gpu=True)
     rows = []
+    result = dict(device=name, copy_gbs=copy_gbs, triton=triton.__version__, rows=rows)
     for shape in args.shapes:
         H, Hkv, D = SHAPES[shape]
         for L in args.lengths:
@@ -105,7 +107,8 @@ def bench_gpu(args):
                 torch.cuda.empty_cache()
                 rows.append(row)
                 print_row(row, gpu=True)
-    return dict(device=name, copy_gbs=copy_gbs, triton=triton.__version__, rows=rows)
+                save(args.json, result)  # a run stopped by a timeout keeps its rows
+    return result
 
 
 def wall_ms(fn, reps):
@@ -146,7 +149,8 @@ def bench_cpu(args):
 def print_header(gpu):
     cols = ["shape", "L", "B", "sdpa ms", "sdpa-gqa ms"]
     for bits in (16, 8, 4):
-        cols += [f"int{bits} ms", f"int{bits} x sdpa"] + ([f"int{bits} GB/s", f"int{bits} %copy"] if gpu else [])
+        cols += [f"int{bits} ms", f"int{bits} x sdpa"] + ([f"int{bits} x gqa"] if gpu and bits != 16 else [])
+        cols += [f"int{bits} GB/s", f"int{bits} %copy"] if gpu else []
     print("| " + " | ".join(cols) + " |")
     print("|" + "---:|" * len(cols))
 
@@ -157,9 +161,17 @@ def print_row(r, gpu):
     for bits in (16, 8, 4):
         ms = r[f"int{bits}_ms"]
         cells += [f"{ms:.3f}", f"{r['sdpa_ms'] / ms:.2f}"]
+        if gpu and bits != 16:
+            cells.append("-" if r["sdpa_gqa_ms"] is None else f"{r['sdpa_gqa_ms'] / ms:.2f}")
         if gpu:
             cells += [f"{r[f'int{bits}_gbs']:,.0f}", f"{r[f'int{bits}_copy_pct']:.0f}"]
     print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def save(path, result):
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(result, date=time.strftime("%Y-%m-%d")), f, indent=1)
 
 
 def main():
@@ -168,19 +180,15 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--lengths", nargs="+", type=int,
                     default=[1024, 8192, 32768, 131072] if gpu else [1024, 4096])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64] if gpu else [1, 4])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32, 64] if gpu else [1, 4])
     ap.add_argument("--reps", type=int, default=5, help="CPU only: timed repetitions")
     ap.add_argument("--max-gb", type=float, default=48.0,
                     help="GPU only: skip configs whose bf16 baselines exceed this")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"# decode attention, {SINKS} sinks + (L-4) recent, block {BLOCK}; "
-          f"'x sdpa' = SDPA (expanded K/V) time / ours")
-    result = bench_gpu(args) if gpu else bench_cpu(args)
-    result["date"] = time.strftime("%Y-%m-%d")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+          f"'x sdpa' = SDPA (expanded K/V) time / ours" + ("; 'x gqa' = SDPA-GQA time / ours" if gpu else ""))
+    save(args.json, bench_gpu(args) if gpu else bench_cpu(args))
 
 
 if __name__ == "__main__":

@@ -1,33 +1,83 @@
 #!/usr/bin/env bash
-# The GPU check: the Triton kernels natively on CUDA against their PyTorch references and the
-# float64 oracle, then the decode-attention table (ours vs SDPA over a bf16 cache, same run).
+# The GPU check, one script for a short GPU session (about 9 minutes of per-step timeouts in all):
+#   1. env.txt: date, GPU, torch/triton/transformers versions
+#   2. tests.log: the Triton kernels natively on CUDA against their PyTorch references and the
+#      float64 oracle (tests/test_kernels.py, tests/test_attention.py)               <= 170 s
+#   3. decode_attention.md/.json: decode attention, ours (int16/8/4) vs SDPA and SDPA-GQA over a
+#      bf16 cache, llama and smollm2 shapes, L 1k..128k, B 1..64 (--max-gb caps)         <= 155 s
+#   4. decode_attention_folded.md/.json and decode_attention_fp16.md/.json: the same with
+#      QSINKKV_FOLD_VALUES=1 and with QSINKKV_FP16_DOTS=1, llama, fewer rows          <= 40 s each
+#   5. prefill.md/.json: prefill of T 4k..32k tokens into an empty cache vs causal SDPA,
+#      llama shape (H 32, Hkv 8, D 128), bf16, with peak extra memory                     <= 45 s
+#   6. e2e_decode.md/.json: a decode step of a Llama-3-8B-shaped model (random weights), B 64,
+#      context 8k: QSinkKVCache int4 vs StaticCache/DynamicCache bf16, KV bytes per budget <= 80 s
+# Every step runs even if one before it failed; steps.txt has each one's exit status and seconds;
+# the script exits non-zero if any step failed.
 #
-#   bash benchmarks/gpu_check.sh [OUTDIR]      # default out/gpu; writes env.txt, tests.log,
-#                                              # decode_attention.md and decode_attention.json
+#   bash benchmarks/gpu_check.sh [OUTDIR]                  # default out/gpu
+#   TRANSFORMERS_WHEEL=benchmarks/wheels/transformers-5.24.0-py3-none-any.whl bash benchmarks/gpu_check.sh out/gpu
+#
 # Needs a CUDA GPU with torch, triton, pytest and hypothesis. Works from an installed qsinkkv
 # or from a bare checkout (the package is then staged on PYTHONPATH, kernels/ as qsinkkv.kernels).
+# transformers: the project needs >=5.24 (pyproject; qsinkkv.hf refuses older ones). On a machine
+# with an older one and no network, fetch the wheel beforehand on a machine with network,
+#   python3 -m pip download transformers==5.24.0 --no-deps -d benchmarks/wheels
+# (benchmarks/wheels/ is git-ignored: carry it, e.g. the device `run` tool's carry=["benchmarks/wheels"])
+# and point TRANSFORMERS_WHEEL at it: the wheel is unpacked into a temporary directory put first on
+# PYTHONPATH (no pip, no network, the machine's site-packages untouched). transformers 5.24 checks
+# huggingface-hub>=1.31 at import; if the import fails, any huggingface_hub-*.whl lying next to the
+# transformers wheel is unpacked there too.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 DEST=$(mkdir -p "${1:-out/gpu}" && cd "${1:-out/gpu}" && pwd)
+WHEEL=""
+if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then  # resolved before the cd below: relative to the caller's directory
+  [ -f "$TRANSFORMERS_WHEEL" ] || { echo "TRANSFORMERS_WHEEL=$TRANSFORMERS_WHEEL is not a file" >&2; exit 2; }
+  WHEEL=$(cd "$(dirname "$TRANSFORMERS_WHEEL")" && pwd)/$(basename "$TRANSFORMERS_WHEEL")
+fi
 cd /tmp  # a checkout's own qsinkkv/ lacks kernels/: never import from the repo root
 if ! python3 -c "import qsinkkv.kernels" 2>/dev/null; then
   STAGE=$(mktemp -d)
   cp -r "$REPO/qsinkkv" "$STAGE/" && cp -r "$REPO/kernels" "$STAGE/qsinkkv/kernels"
   export PYTHONPATH=$STAGE${PYTHONPATH:+:$PYTHONPATH}
 fi
+if [ -n "$WHEEL" ]; then
+  SITE=$(mktemp -d)
+  python3 -m zipfile -e "$WHEEL" "$SITE"
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  if ! python3 -c "import transformers" 2>/dev/null; then
+    for w in "$(dirname "$WHEEL")"/huggingface_hub-*.whl; do
+      [ -f "$w" ] && echo "unpacking $w" && python3 -m zipfile -e "$w" "$SITE"
+    done
+  fi
+fi
 export PYTHONUNBUFFERED=1
 { date -u +%F; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import transformers; print('transformers', transformers.__version__, transformers.__file__)"; } \
   2>&1 | tee "$DEST/env.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_kernels.py" "$REPO/tests/test_attention.py" \
-  2>&1 | tee "$DEST/tests.log"
-tests_rc=${PIPESTATUS[0]}
-timeout 300 python3 "$REPO/benchmarks/decode_attention.py" --json "$DEST/decode_attention.json" \
-  2>&1 | tee "$DEST/decode_attention.md"
-bench_rc=${PIPESTATUS[0]}
-# the values-folded kernel (off by default until this check has passed on a GPU)
-QSINKKV_FOLD_VALUES=1 timeout 300 python3 "$REPO/benchmarks/decode_attention.py" \
-  --json "$DEST/decode_attention_folded.json" 2>&1 | tee "$DEST/decode_attention_folded.md"
-bench_rc=$(( bench_rc || PIPESTATUS[0] ))
-echo "tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc || bench_rc ))
+
+failed=0
+: > "$DEST/steps.txt"
+step() {  # step OUTFILE TIMEOUT_S COMMAND...: stdout+stderr to OUTFILE; status and seconds to steps.txt
+  local out=$1 limit=$2 t0=$SECONDS
+  shift 2
+  echo "== $out (timeout ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | tee "$DEST/$out"
+  local rc=${PIPESTATUS[0]}
+  echo "$out rc=$rc $((SECONDS - t0))s (limit ${limit}s)" | tee -a "$DEST/steps.txt"
+  [ "$rc" = 0 ] || failed=1
+}
+B="$REPO/benchmarks"
+step tests.log 170 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_kernels.py" "$REPO/tests/test_attention.py"
+step decode_attention.md 155 python3 "$B/decode_attention.py" --json "$DEST/decode_attention.json"
+# the values-folded kernel and the fp16 tensor-core kernel (off by default until this check has passed)
+step decode_attention_folded.md 40 env QSINKKV_FOLD_VALUES=1 python3 "$B/decode_attention.py" \
+  --shapes llama --lengths 8192 131072 --batches 1 8 64 --json "$DEST/decode_attention_folded.json"
+step decode_attention_fp16.md 40 env QSINKKV_FP16_DOTS=1 python3 "$B/decode_attention.py" \
+  --shapes llama --lengths 8192 131072 --batches 1 8 64 --json "$DEST/decode_attention_fp16.json"
+step prefill.md 45 python3 "$B/prefill.py" --device cuda --shape llama --dtype bfloat16 \
+  --lengths 4096 8192 16384 32768 --reps 5 --json "$DEST/prefill.json"
+step e2e_decode.md 80 python3 "$B/e2e_decode.py" --device cuda --batch 64 --context 8192 --json "$DEST/e2e_decode.json"
+cat "$DEST/steps.txt"
+exit $failed

@@ -1,0 +1,43 @@
+"""The benchmarks that benchmarks/gpu_check.sh runs on a GPU, run here at tiny sizes on the CPU, so
+that the GPU check cannot rot unseen: each exits 0, prints its table header and writes its JSON."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qsinkkv
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+CASES = {  # script and tiny arguments -> the table header it must print
+    "e2e_decode": (["e2e_decode.py", "--tiny", "--device", "cpu"],
+                   "| cache | ms/step | x StaticCache | KV bytes/seq |"),
+    "prefill": (["prefill.py", "--lengths", "256", "--capacity", "128", "--reps", "1"],
+                "| T | qsinkkv ms | qsinkkv ms / 1k tokens | causal SDPA ms | SDPA ms / 1k tokens |"),
+    "prefill_llama_bf16": (["prefill.py", "--shape", "llama", "--dtype", "bfloat16", "--lengths", "256",
+                            "--capacity", "128", "--reps", "1"], "| T | qsinkkv ms |"),
+    "decode_attention": (["decode_attention.py", "--lengths", "256", "--batches", "1", "--shapes", "smollm2",
+                          "--reps", "2"], "| shape | L | B | sdpa ms | sdpa-gqa ms |"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_benchmark_runs_tiny(case, tmp_path):
+    if case == "e2e_decode":
+        pytest.importorskip("transformers")
+    argv, header = CASES[case]
+    out = tmp_path / "out.json"
+    # the qsinkkv this test imports (a script's own directory would come first on its sys.path);
+    # one thread: a smoke test, not a measurement
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(qsinkkv.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:], "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert header in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and len(rows) == (3 if case == "e2e_decode" else 1)

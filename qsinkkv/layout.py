@@ -44,7 +44,7 @@ class WindowLayout:
     unquantized_tokens: int = field(init=False)  # U: residual_tokens, or the whole window with bits=16
     quant_slots: int = field(init=False)
     float_slots: int = field(init=False)
-    _seen: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # visible_slots' memo
+    _seen: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # visible_bias' memo
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -100,30 +100,23 @@ class WindowLayout:
         """Blocks before this one hold no visible token and may be overwritten."""
         return self.first_visible(m) // self.block_size
 
-    def visible_slots(self, seq_lens: Tensor, device: torch.device) -> Tensor:
-        """bool ``[B, S + quant_slots*bs + float_rows]`` on ``device``: the slots (sinks, quantized ring,
-        float ring) a query at the newest position of each sequence (lengths ``seq_lens [B]``, host)
-        sees. Every layer of a model step asks with the same lengths, so the last answer is kept
-        (decode metadata built once per step, not once per layer)."""
-        return self._step_masks(seq_lens, device)[0]
-
     def visible_bias(self, seq_lens: Tensor, device: torch.device) -> Tensor:
-        """``visible_slots`` as float32 ``[B, N]`` to add to the scores: 0 where seen, -inf elsewhere
-        (an add is ~8x faster than ``masked_fill`` on the CPU; kept like ``visible_slots``)."""
-        return self._step_masks(seq_lens, device)[1]
-
-    def _step_masks(self, seq_lens: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        """float32 ``[B, S + quant_slots*bs + float_rows]`` on ``device``, to add to the scores: 0 for
+        the slots (sinks, quantized ring, float ring) a query at the newest position of each sequence
+        (lengths ``seq_lens [B]``, host) sees, -inf for the others (an add is ~8x faster than
+        ``masked_fill`` on the CPU). Every layer of a model step asks with the same lengths, so the
+        last answer is kept (decode metadata built once per step, not once per layer)."""
         key = (tuple(seq_lens.tolist()), device)
-        masks = self._seen.get(key)
-        if masks is None:
+        bias = self._seen.get(key)
+        if bias is None:
             seq_lens = seq_lens.to(device)
             pos = torch.cat(self.slot_positions(seq_lens), dim=1)
             seen = visible_mask((seq_lens.long() - 1).unsqueeze(-1), pos, self.sink_tokens,
                                 self.recent_tokens).squeeze(1)
             bias = torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
             self._seen.clear()
-            self._seen[key] = masks = (seen, bias)
-        return masks
+            self._seen[key] = bias
+        return bias
 
     def slot_positions(self, seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Logical position held by every storage slot, per sequence of length ``seq_lens [B]``:

@@ -200,7 +200,7 @@ def test_reset_row_then_ragged_decode():
 
 
 def test_two_caches_alternate_decode_workspace_and_memo():
-    """decode.py's module-level workspace and each layout's visible_slots memo, with caches of equal
+    """decode.py's module-level workspace and each layout's visible_bias memo, with caches of equal
     shapes and lengths but different configs called in turn: each equals the dequantizing reference."""
     g = torch.Generator().manual_seed(4)
     cfgs = [CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4),

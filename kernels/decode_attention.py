@@ -230,27 +230,24 @@ def _decode_kernel(
             key_block = key_codes_ptr + slot * (BS * DC)     # scalar bases: one address computation per block
             value_block = value_codes_ptr + slot * (BS * DC)
             stats = slot * (BS * NG) + t * NG                # the block's per-token value stats, group 0
-            if FP16:  # tensor cores, every scale folded out (implies FOLD_V and the absolute contract)
-                ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, tl.float16)
-                ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-                ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-                kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-                kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-                qz = tl.sum(q_lo * kz_lo[None, :], axis=1) + tl.sum(q_hi * kz_hi[None, :], axis=1)
-                cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, tl.float16)
+            ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+            ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+            kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
+            kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+            if FOLD_V:  # each half in one value group: scales and zeros per token, [BS] vectors
                 vs_lo = tl.load(value_scale_ptr + stats, mask=ok, other=0.0).to(tl.float32)
                 vz_lo = tl.load(value_zero_ptr + stats, mask=ok, other=0.0).to(tl.float32)
                 vs_hi = tl.load(value_scale_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
                 vz_hi = tl.load(value_zero_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+            if FP16:  # tensor cores, every scale folded out (FOLD_V holds; the absolute contract)
+                ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, tl.float16)
+                qz = tl.sum(q_lo * kz_lo[None, :], axis=1) + tl.sum(q_hi * kz_hi[None, :], axis=1)
+                cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, tl.float16)
                 m_i, l_i, acc_lo, acc_hi = _online_update_fp16(
                     q_lo * ks_lo[None, :], q_hi * ks_hi[None, :], qz,
                     ck_lo, ck_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi, qk_scale)
             else:
                 k_lo, k_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS)
-                ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-                ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-                kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-                kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
                 # Keys stay dequantized per element: folding the scale into q costs as much on the padded
                 # [BLOCK_G, DH] query tile (kernel_sass.py: int8 0.48 -> 0.51 warp-instr/byte, spills back).
                 k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
@@ -258,11 +255,7 @@ def _decode_kernel(
                 v_lo, v_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS)
                 if ROPE:
                     k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
-                if FOLD_V:  # each half in one value group: scales and zeros per token, [BS] vectors
-                    vs_lo = tl.load(value_scale_ptr + stats, mask=ok, other=0.0).to(tl.float32)
-                    vz_lo = tl.load(value_zero_ptr + stats, mask=ok, other=0.0).to(tl.float32)
-                    vs_hi = tl.load(value_scale_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
-                    vz_hi = tl.load(value_zero_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+                if FOLD_V:
                     m_i, l_i, acc_lo, acc_hi = _online_update_codes(
                         q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi,
                         qk_scale, DOT_PRECISION)

@@ -47,6 +47,13 @@ def _channel_stats(x, ok, QMAX: tl.constexpr, SCALE_DTYPE: tl.constexpr):
     col_ok = tl.max(ok.to(tl.int32), axis=0) > 0
     lo = tl.where(col_ok, tl.min(tl.where(ok, x, float("inf")), axis=0), 0.0)
     hi = tl.where(col_ok, tl.max(tl.where(ok, x, float("-inf")), axis=0), 0.0)
+    return _scale_zero(lo, hi, QMAX, SCALE_DTYPE)
+
+
+@triton.jit
+def _scale_zero(lo, hi, QMAX: tl.constexpr, SCALE_DTYPE: tl.constexpr):
+    """The stored scale ``(max - min) / qmax`` (correctly rounded division) and zero ``min`` of a
+    group's ``lo = min`` and ``hi = max``, rounded to the storage dtype."""
     return _to_scale_dtype(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE), _to_scale_dtype(lo, SCALE_DTYPE)
 
 
@@ -108,8 +115,7 @@ def _quantize_values_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, D, GROUP,
                         tl.max(tl.where(in_hi, x_hi, float("-inf")), axis=1))
         lo = tl.where(t < N, lo, 0.0)  # rows past N: no entry, never inf - inf
         hi = tl.where(t < N, hi, 0.0)
-        scale = _to_scale_dtype(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE)
-        zero = _to_scale_dtype(lo, SCALE_DTYPE)
+        scale, zero = _scale_zero(lo, hi, QMAX, SCALE_DTYPE)
         tl.store(scale_ptr + t * NG + g, scale, mask=t < N)
         tl.store(zero_ptr + t * NG + g, zero, mask=t < N)
         s_lo = tl.where(grp_lo == g, scale.to(tl.float32)[:, None], s_lo)

@@ -37,8 +37,8 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
     Works head-major, as the pools are stored (``[Hkv, B, ...]``), with scores as ``[Hkv, B, G, N]``
     (query heads before tokens): every product then has the G query heads as its few rows,
     ``q [.., G, D] @ keys^T [.., D, N]`` and ``p [.., G, N] @ values [.., N, D]``, the shape BLAS runs
-    fast (with G as the columns, ``keys [N, D] @ q [D, G]``, MKL took ~4x as long at G = 3 on 2 AMD
-    cores); a dense storage is read through views, with no copy of the window."""
+    fast (with G as the columns, ``keys [N, D] @ q [D, G]``, MKL ran several times slower at G = 3
+    on 2 AMD cores); a dense storage is read through views, with no copy of the window."""
     cfg, s = layer.layout.config, layer
     read = lambda name, table: by_table(getattr(s, name), table, s.dense)  # noqa: E731
     Hkv, B, D = s.num_kv_heads, s.batch_size, s.head_dim

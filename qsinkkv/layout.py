@@ -103,7 +103,7 @@ class WindowLayout:
     def visible_bias(self, seq_lens: Tensor, device: torch.device) -> Tensor:
         """float32 ``[B, S + quant_slots*bs + float_rows]`` on ``device``, to add to the scores: 0 for
         the slots (sinks, quantized ring, float ring) a query at the newest position of each sequence
-        (lengths ``seq_lens [B]``, host) sees, -inf for the others (an add is ~8x faster than
+        (lengths ``seq_lens [B]``, host) sees, -inf for the others (an add is much cheaper than
         ``masked_fill`` on the CPU). Every layer of a model step asks with the same lengths, so the
         last answer is kept (decode metadata built once per step, not once per layer)."""
         key = (tuple(seq_lens.tolist()), device)

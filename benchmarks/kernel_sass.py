@@ -1,4 +1,4 @@
-"""Offline codegen check of the Triton decode kernel for the H200 (sm_90a), no GPU needed.
+"""Offline codegen check of the Triton decode and prefill kernels for the H200 (sm_90a), no GPU needed.
 
     python benchmarks/kernel_sass.py [--dims 128 64] [--bits 16 8 4] [--warps 4] [--sass-dir out/sass]
 
@@ -12,7 +12,10 @@ codes: more I2F instructions) and the float one for bf16.
 The yardstick (design sheet): an H200 issues ~132 SMs x 4 schedulers x 1.98 GHz = 1.05e12
 warp-instructions/s against ~4.3e12 B/s of HBM, so a loop at <= ~0.24 warp-instructions per
 KV byte (instructions x warps / bytes one iteration streams) can run at full bandwidth; one
-at 1.0 cannot. Not part of CI: Triton's NVIDIA backend must be importable (it is on x86 Linux).
+at 1.0 cannot. A second table compiles ``_prefill_kernel`` (bf16 and fp16, its default tiles and
+launch): registers, spills, tensor-core instructions (HGMMA) and whether its tile loads became
+asynchronous 16-byte copies (LDGSTS.128). Not part of CI: Triton's NVIDIA backend must be
+importable (it is on x86 Linux).
 """
 from __future__ import annotations
 
@@ -56,6 +59,43 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
     aligned = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
     return triton.compile(ASTSource(mod._decode_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_prefill(head_dim: int, dtype: str, block_m: int, block_n: int):
+    """The prefill kernel as its launcher would compile it on an H200 (dtype "bf16" or "fp16")."""
+    import triton.language as tl
+    mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
+    f = "*" + dtype
+    sig = dict(q_ptr=f, k_ptr=f, v_ptr=f, sk_ptr=f, sv_ptr=f, spos_ptr="*i64", n0_ptr="*i64", len_ptr="*i64",
+               sink_logits_ptr="*fp32", out_ptr=f)
+    strides = "sq_b sq_h sq_t sk_b sk_h sk_t sv_b sv_h sv_t ss_b ss_h ss_n sp_b so_b so_h so_t".split()
+    sig.update({n: "i32" for n in strides + "T H G N_STORED S W".split()}, qk_scale="fp32")
+    const = dict(D=head_dim, DP=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                 DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16, DOT_PRECISION="tf32", HAS_SINK_LOGITS=True)
+    sig.update({k: "constexpr" for k in const})
+    # as the JIT specializes a launch: pointers and the strides of [B, H, T, D] tensors divisible by 16
+    names = mod._prefill_kernel.arg_names
+    aligned = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+               if v.startswith("*") or (k in strides and k != "sp_b")}
+    return triton.compile(ASTSource(mod._prefill_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
+                          options=mod.prefill_launch(block_m))
+
+
+def prefill_table(dims: list[int]) -> None:
+    mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
+    print("\n# _prefill_kernel for sm_90a, default tiles and launch (prefill_attention)")
+    print("| D | dtype | BLOCK_M x BLOCK_N | warps, stages | regs | stack (spill) bytes | HGMMA | LDGSTS.128 |")
+    print("|---:|---|---|---|---:|---:|---:|---:|")
+    for D, dtype in [(D, t) for D in dims for t in ("bf16", "fp16")]:
+        block_m, block_n = mod.default_blocks(D)
+        k = compile_prefill(D, dtype, block_m, block_n)
+        res = cuobjdump(k.asm["cubin"], "-res-usage")
+        sass = cuobjdump(k.asm["cubin"], "-sass")
+        launch = mod.prefill_launch(block_m)
+        regs, stack = (re.search(rf"{key}:(\d+)", res).group(1) for key in ("REG", "STACK"))
+        copies = len(re.findall(r"LDGSTS[.A-Z]*\.128", sass))
+        print(f"| {D} | {dtype} | {block_m} x {block_n} | {launch['num_warps']}, {launch['num_stages']} | {regs} | "
+              f"{stack} | {sass.count('HGMMA')} | {copies} |", flush=True)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:
@@ -145,6 +185,7 @@ def main():
         per_byte = len(path) * a.warps / nbytes
         print(f"| {D} | {bits} | {values} | {regs} | {stack} | {loop} | {len(path)} | {spills} | {nbytes:,} | "
               f"{per_byte:.2f} |", flush=True)
+    prefill_table(a.dims)
 
 
 if __name__ == "__main__":

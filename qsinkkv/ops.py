@@ -6,7 +6,8 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   quantize blocks    qsinkkv.quant                               qsinkkv.kernels.quantize (bit-identical)
   decode attention   decode.decode_attention_reference           decode.decode_attention_torch (folded, CPU);
                                                                  qsinkkv.kernels.decode_attention (Triton)
-  prefill attention  prefill.prefill_attention_reference         -
+  prefill attention  prefill.prefill_attention_reference         qsinkkv.kernels.prefill_attention (Triton,
+                                                                 the absolute contract)
   write              write.append (uses the chosen quantizer)    -
 
 Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
@@ -46,6 +47,9 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     prefill = functools.partial(prefill_attention_reference, rotary=rotary)
     if backend == "triton":
         from . import kernels
+        # under cache_index a key turns by its index in the cache, per query: prefill stays on the reference
+        if rotary is None:
+            prefill = kernels.prefill_attention
         return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary), prefill)
     # the folded path needs keys at their final rotation; under cache_index each key turns by its index
     decode = decode_attention_torch if rotary is None else functools.partial(decode_attention_reference, rotary=rotary)

@@ -301,3 +301,134 @@ def test_decode_sink_logits_any_layout(kernel_path):
         ref = decode_attention_reference(q, layer, sink_logits=logits.contiguous())
         out = decode_attention(q.to(DEVICE), on_device(layer), sink_logits=logits.to(DEVICE), num_splits=2)
         assert rel_rms(out.cpu(), ref) < kernel_path
+
+
+# --- prefill attention ----------------------------------------------------------------------------
+
+def prefilled_layer(cfg, prior, Hkv, Dh, seed):
+    """A batch layer whose row b already holds ``prior[b]`` tokens (one ragged chunk, torch backend)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = SinkQuantCache(cfg, 1, len(prior), Hkv, Dh, dtype=torch.float32, backend="torch")
+    if max(prior):
+        cache.attend(0, *(torch.randn(len(prior), Hkv, max(prior), Dh, generator=g) for _ in range(3)), prior)
+    return cache.layers[0]
+
+
+def check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, seed):
+    """The kernel against the reference in float32 and its float64 run on the same storage (every slot
+    dequantized exactly); padding rows zero."""
+    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.prefill import prefill_attention_reference
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=8,
+                      residual_tokens=min(R, W))
+    Hkv, B = 2, len(prior)
+    layer = prefilled_layer(cfg, prior, Hkv, D, seed)
+    lengths = torch.tensor(lengths)
+    g = torch.Generator().manual_seed(seed + 1)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
+    sink_logits = torch.randn(Hkv * G, generator=g) if logits else None
+    ref = prefill_attention_reference(q, k, v, layer, lengths, sink_logits=sink_logits)
+    ref64 = prefill_attention_reference(q.double(), k.double(), v.double(), layer, lengths,
+                                        sink_logits=None if sink_logits is None else sink_logits.double())
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths,
+                            sink_logits=None if sink_logits is None else sink_logits.to(DEVICE),
+                            block_m=blocks[0], block_n=blocks[1]).cpu()
+    pad = (torch.arange(T).view(1, 1, T, 1) >= lengths.view(B, 1, 1, 1)).expand_as(out)
+    assert torch.count_nonzero(out[pad]) == 0  # padding rows are zero
+    assert rel_rms(out, ref) < KERNEL_TOL
+    assert rel_rms(out, ref64) < KERNEL_TOL
+
+
+PREFILL_CASES = [
+    # bits, S, W, bs, R, prior, T, lengths, G, logits, (block_m, block_n)
+    # chunk sinks (rows holding fewer than S), tiles past the window whose window starts inside a key tile,
+    # a row whose last key starts a key tile
+    (4, 4, 20, 4, 0, [0, 2, 30], 90, [90, 60, 49], 3, True, (16, 16)),
+    # the tile at t0 = 16 < W = 18 still sees the newest stored slots; the next one sees only the sinks
+    (8, 2, 18, 4, 0, [40], 40, [40], 1, False, (16, 16)),
+    # a window shorter than a key tile, odd block, residual; an idle row
+    (8, 3, 7, 5, 2, [12, 0, 9], 50, [50, 0, 31], 3, True, (32, 16)),
+    # no sinks: a plain sliding window
+    (16, 0, 33, 4, 0, [5, 70], 64, [64, 64], 1, False, (16, 32)),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-T{c[6]}")
+def test_prefill_matches_reference_and_float64(case):
+    check_prefill(*case, seed=11)
+
+
+@settings(max_examples=8, deadline=None)
+@given(bits=st.sampled_from([16, 8, 4]), S=st.integers(0, 5), W=st.integers(1, 40), bs=st.sampled_from([1, 4, 5]),
+       R=st.integers(0, 4), prior=st.lists(st.integers(0, 60), min_size=1, max_size=3), T=st.integers(2, 90),
+       cut=st.lists(st.floats(0, 1), min_size=3, max_size=3), G=st.sampled_from([1, 3]),
+       logits=st.booleans(), blocks=st.sampled_from([(16, 16), (32, 16), (16, 32)]), seed=st.integers(0, 2**31))
+def test_prefill_random_layouts(bits, S, W, bs, R, prior, T, cut, G, logits, blocks, seed):
+    """Ragged chunks (row b holds lengths[b] <= T real tokens after prior[b] stored ones; 0 = idle, but
+    not every row) into random layouts."""
+    lengths = [max(1, round(T * c)) if i == 0 else round(T * c) for i, c in zip(range(len(prior)), cut)]
+    check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_half_inputs(dtype):
+    """fp16 (tensor-core operands in the interpreter as on a GPU) and bf16 (widened in the interpreter)
+    queries and chunks over a bf16-sink int4 layer, at the GPU tolerance."""
+    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.prefill import prefill_attention_reference
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=8, value_group_size=8)
+    layer = prefilled_layer(cfg, [50, 3], 2, 32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, h, 70, 32, generator=g).to(dtype) for h in (6, 2, 2))
+    lengths = torch.tensor([70, 41])
+    ref = prefill_attention_reference(q, k, v, layer, lengths)
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=32)
+    assert out.dtype == dtype
+    assert rel_rms(out.cpu(), ref) < max(KERNEL_TOL, FP16_TOL)
+
+
+def test_prefill_strided_chunk_and_nonfinite_padding():
+    """A value chunk laid out as HF's transpose view gives (strides unlike the keys'), NaN/Inf in the
+    padding of k and v: the kernel reads neither, and the real rows equal the reference's."""
+    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.prefill import prefill_attention_reference
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=8, block_size=4, value_group_size=8)
+    layer = prefilled_layer(cfg, [9, 30], 2, D, seed=3)
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 4, 40, D, generator=g), torch.randn(2, 2, 40, D, generator=g)
+    v = torch.randn(2, 40, 2, D, generator=g).transpose(1, 2)      # [B, T, Hkv, D] -> [B, Hkv, T, D]
+    lengths = torch.tensor([40, 17])
+    ref = prefill_attention_reference(q, k, v, layer, lengths)
+    k[1, :, 17:], v[1, :, 17:] = float("nan"), float("inf")
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=16,
+                            block_n=16).cpu()
+    assert torch.isfinite(out).all()
+    assert rel_rms(out, ref) < KERNEL_TOL
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=24)
+
+
+def test_backend_prefill_choice():
+    """The Triton backend prefills through the kernel under the absolute contract, through the reference
+    under cache_index (keys turn by their cache index per query)."""
+    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.ops import select_ops
+    assert select_ops("triton", torch.device(DEVICE), D, None).prefill is prefill_attention
+    assert select_ops("triton", torch.device(DEVICE), D, ROT).prefill.func.__name__ == "prefill_attention_reference"
+    assert select_ops("torch", torch.device(DEVICE), D, None).prefill.func.__name__ == "prefill_attention_reference"
+
+
+def test_prefill_positions_past_2_31():
+    """A chunk into streams longer than 2^31 and 2^32 tokens: the kernel's relative int32 positions."""
+    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.prefill import prefill_attention_reference
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=13, bits=4, block_size=4, value_group_size=8, residual_tokens=2)
+    layer = random_storage_layer(cfg, 3, 2, seed=2)
+    layer.seq_lens.copy_(torch.tensor([2**31 + 5, 2**32 + 78, 2**31 - 1]))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, h, 20, D, generator=g) for h in (4, 2, 2))
+    lengths = torch.tensor([20, 7, 12])
+    ref = prefill_attention_reference(q, k, v, layer, lengths)
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=16,
+                            block_n=16).cpu()
+    assert rel_rms(out, ref) < KERNEL_TOL

@@ -236,12 +236,13 @@ def test_bad_sizes_and_calls_are_named():
 
 @pytest.mark.parametrize("bits", [4, 16])
 def test_triton_kernel_reads_the_block_table(bits):
-    """The decode kernel on a paged storage whose blocks are scattered (sequences admitted and
+    """The decode and prefill kernels on a paged storage whose blocks are scattered (sequences admitted and
     released in between) equals the reference read through the same tables."""
     from conftest import DEVICE, KERNEL_TOL
 
     from qsinkkv.decode import decode_attention_reference
-    from qsinkkv.kernels import decode_attention
+    from qsinkkv.kernels import decode_attention, prefill_attention
+    from qsinkkv.prefill import prefill_attention_reference
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=bits, block_size=4, value_group_size=8)
     pool = PagedCache(cfg, 1, HKV, 16, max_seqs=4, float_blocks=12, quant_blocks=12, dtype=torch.float32,
                       device=DEVICE, backend="triton")
@@ -260,6 +261,12 @@ def test_triton_kernel_reads_the_block_table(bits):
     q = torch.randn(3, HKV * G, 16, generator=g).to(DEVICE)
     ref = decode_attention_reference(q.cpu(), _on_cpu(layer))
     out = decode_attention(q, layer, num_splits=2).cpu()
+    assert rel(out, ref) < KERNEL_TOL
+    # the prefill kernel reads the same scattered blocks (through gather)
+    q, k, v = draw(3, 20)
+    lens = torch.tensor([20, 3, 11])
+    ref = prefill_attention_reference(q.cpu(), k.cpu(), v.cpu(), _on_cpu(layer), lens)
+    out = prefill_attention(q, k, v, layer, lens, block_m=16, block_n=16).cpu()
     assert rel(out, ref) < KERNEL_TOL
 
 

@@ -1,0 +1,207 @@
+"""Flash-style prefill attention over a qsinkkv layer, in Triton.
+
+A chunk of T new tokens per sequence attends over what the layer stored before the chunk plus
+the chunk's own full-precision K/V, under the exact sink + window mask, never materializing a
+``[T, N]`` score matrix. Two key segments, each read in tiles of ``BLOCK_N`` keys:
+
+* the stored slots, dequantized once by ``qsinkkv.storage.gather`` (at most the capacity plus a
+  block per sequence: O(capacity) memory, not O(T)); a query tile past the first W queries sees
+  only the stored sinks, which ``gather`` puts first, so it reads only those;
+* the chunk, read in place: the chunk tokens that are sinks (while the sequence holds fewer than
+  S tokens) and the keys inside the window of the query tile, ``[t0 - W + 1, t0 + BLOCK_M)``.
+
+So a query tile touches at most ``capacity + S + W + BLOCK_M`` keys: time grows linearly with T
+at a fixed capacity, and the extra memory is the stored slots plus the output.
+
+Grid ``(cdiv(T, BLOCK_M), B * H)``: one program per (query tile, sequence, query head); the query
+head h reads kv head ``h // (H / Hkv)``. Online softmax (base 2); the learned sink logits start
+the running (max, sum) at ``(s_h, 1)`` with no value.
+
+The reference is ``qsinkkv.prefill.prefill_attention_reference`` (same ``gather``, the dense
+``sink_window_attention`` per tile of queries). The ``cache_index`` contract (keys rotated by
+their index in the cache) stays on the reference: ``qsinkkv.ops.select_ops`` chooses.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from qsinkkv.prefill import prefill_attention_reference  # noqa: F401  (the kernel's reference)
+from qsinkkv.storage import LayerStorage, gather
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _visible(q_rel, k_rel, k_ok, k_sink, W):
+    """``qsinkkv.layout.visible_mask`` ``[M, N]`` in positions relative to the chunk's first one (int32:
+    a stream's absolute positions are int64, its window is not): ``q_rel [M]``; ``k_rel [N]`` with
+    ``k_ok`` (a key is there) and ``k_sink`` (its absolute position is < S) per key."""
+    q = q_rel[:, None]
+    k = k_rel[None, :]
+    return k_ok[None, :] & (k <= q) & (k_sink[None, :] | (k > q - W))
+
+
+@triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of keys ``k, v [N, DP]`` for the queries ``q [M, DP]``, folded into the running
+    max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DP]`` (float32)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _attend_chunk(q, q_rel, k_base, v_base, sk_t, sv_t, length, chunk_sinks, start, stop, W, m_i, l_i, acc,
+                  qk_scale, c, c_ok, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The chunk's keys ``[start, stop)``: row ``j`` at relative position ``j``, real while ``j < length``,
+    a sink while ``j < chunk_sinks``."""
+    for n in range(start, stop, BLOCK_N):
+        j = n + tl.arange(0, BLOCK_N)
+        j_ok = j < length  # padding keys are never read: a masked key still meets its value in p @ v
+        kv_mask = j_ok[:, None] & c_ok[None, :]
+        k = tl.load(k_base + j[:, None].to(tl.int64) * sk_t + c[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_base + j[:, None].to(tl.int64) * sv_t + c[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        m_i, l_i, acc = _attend_tile(q, k, v, _visible(q_rel, j, j_ok, j < chunk_sinks, W), m_i, l_i, acc, qk_scale,
+                                     DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_ptr, sink_logits_ptr, out_ptr,
+                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, ss_n, sp_b, so_b, so_h, so_t,
+                    T, H, G, N_STORED, S, W, qk_scale,
+                    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr):
+    t0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    n0 = tl.load(n0_ptr + b)          # int64: tokens stored before the chunk (the chunk's first position)
+    length = tl.load(len_ptr + b)     # the chunk's real tokens in this row; the rest is padding
+    m = t0 + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, DP)
+    if D == DP:  # a constant mask: lets the compiler see whole rows and vectorize the loads
+        c_ok = tl.full([DP], 1, tl.int1)
+    else:
+        c_ok = c < D
+    row_ok = m < length
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + h * sq_h + m[:, None].to(tl.int64) * sq_t + c[None, :],
+                mask=row_ok[:, None] & c_ok[None, :], other=0.0).to(DOT_DTYPE)
+    if HAS_SINK_LOGITS:  # exp(s_h) in the denominator: a key with score s_h and no value
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sink_logits_ptr + h) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+
+    # --- the stored slots: sinks first; past the first W queries of the chunk, only those are visible ---
+    n_stored = tl.where(t0 >= W, tl.minimum(S, N_STORED), N_STORED)
+    s_base = b.to(tl.int64) * ss_b + hk * ss_h
+    for n in range(0, n_stored, BLOCK_N):
+        j = n + tl.arange(0, BLOCK_N)
+        k_pos = tl.load(spos_ptr + b.to(tl.int64) * sp_b + j, mask=j < n_stored, other=-1)
+        k_ok = k_pos >= 0
+        k_sink = k_pos < S
+        # a stored non-sink key is within W + a block of n0; a sink's relative position is never used
+        k_rel = tl.where(k_sink, 0, k_pos - n0).to(tl.int32)
+        kv_mask = k_ok[:, None] & c_ok[None, :]
+        off = s_base + j[:, None].to(tl.int64) * ss_n + c[None, :]
+        k = tl.load(sk_ptr + off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(sv_ptr + off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        m_i, l_i, acc = _attend_tile(q, k, v, _visible(m, k_rel, k_ok, k_sink, W), m_i, l_i, acc, qk_scale,
+                                     DOT_PRECISION)
+
+    # --- the chunk: its own sinks, then the keys inside this tile's window (disjoint runs of tiles) ---
+    k_base = k_ptr + b.to(tl.int64) * sk_b + hk * sk_h
+    v_base = v_ptr + b.to(tl.int64) * sv_b + hk * sv_h
+    chunk_sinks = tl.minimum(tl.maximum(S - n0, 0), length).to(tl.int32)  # chunk tokens at positions < S
+    sink_end = tl.cdiv(chunk_sinks, BLOCK_N) * BLOCK_N
+    lo = tl.maximum(tl.maximum(t0 - W + 1, 0) // BLOCK_N * BLOCK_N, sink_end)
+    hi = tl.minimum(t0 + BLOCK_M, length)
+    m_i, l_i, acc = _attend_chunk(q, m, k_base, v_base, sk_t, sv_t, length, chunk_sinks, 0, sink_end, W,
+                                  m_i, l_i, acc, qk_scale, c, c_ok, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+    m_i, l_i, acc = _attend_chunk(q, m, k_base, v_base, sk_t, sv_t, length, chunk_sinks, lo, hi, W,
+                                  m_i, l_i, acc, qk_scale, c, c_ok, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = tl.where(row_ok[:, None], out, 0.0)  # padding rows (their q is zero and saw keys) are zero
+    tl.store(out_ptr + b.to(tl.int64) * so_b + h * so_h + m[:, None].to(tl.int64) * so_t + c[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(m < T)[:, None] & c_ok[None, :])
+
+
+def _dot_dtype(dtype: torch.dtype):
+    # fp16/bf16 tensor-core dots with fp32 accumulation on a GPU; the interpreter computes bf16 dots
+    # wrongly (design.md), so there bf16 is widened to fp32
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16 and not _INTERPRET:
+        return tl.bfloat16
+    return tl.float32
+
+
+def default_blocks(head_dim: int) -> tuple[int, int]:
+    """(queries per program, keys per tile): FlashAttention-2's Hopper tiles for head_dim <= 128."""
+    return (128 if head_dim <= 128 else 64), 64
+
+
+def prefill_launch(block_m: int) -> dict:
+    """Warps and pipeline stages (shared with benchmarks/kernel_sass.py, which checks that they compile
+    for sm_90a with no spills at head_dim 64 and 128)."""
+    return dict(num_warps=8 if block_m >= 128 else 4, num_stages=3)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, *,
+                      scale: float | None = None, sink_logits: Tensor | None = None,
+                      block_m: int | None = None, block_n: int | None = None) -> Tensor:
+    """q ``[B, H, T, D]``, the chunk's k, v ``[B, Hkv, T, D]`` of which row b holds ``lengths[b]`` tokens
+    (the rest is padding) at positions ``layer.seq_lens[b] ..``, under the absolute position contract
+    -> ``[B, H, T, D]`` in q's dtype, zero at padding. The caller (the cache) has checked the shapes.
+
+    block_m / block_n: queries per program and keys per tile (powers of two >= 16); the defaults suit
+    an H100/H200 at head_dim 64-128."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    cfg = layer.layout.config
+    default_m, default_n = default_blocks(D)
+    block_m, block_n = block_m or default_m, block_n or default_n
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    stored_k, stored_v, stored_pos = gather(layer, q.dtype)     # [B, Hkv, N, D], [B, N]
+    stored_pos = stored_pos.contiguous()
+    if stored_k.stride(3) != 1 or stored_k.stride() != stored_v.stride():  # one set of strides for both
+        stored_k, stored_v = stored_k.contiguous(), stored_v.contiguous()
+    q, k, v = (x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v))
+    n0 = layer.seq_lens.to(device=q.device, dtype=torch.int64)
+    lengths = lengths.to(device=q.device, dtype=torch.int64)
+    scale = D ** -0.5 if scale is None else scale
+    if sink_logits is not None:
+        sink_logits = sink_logits.to(device=q.device, dtype=torch.float32).contiguous()
+    # the interpreter narrows float32 to bf16 by truncation, not rounding: it writes float32 there
+    out_dtype = torch.float32 if _INTERPRET and q.dtype == torch.bfloat16 else q.dtype
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    _prefill_kernel[(triton.cdiv(T, block_m), B * H)](
+        q, k, v, stored_k, stored_v, stored_pos, n0, lengths, sink_logits if sink_logits is not None else q, out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), stored_k.stride(0), stored_k.stride(1), stored_k.stride(2), stored_pos.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        T, H, H // Hkv, stored_k.shape[2], cfg.sink_tokens, cfg.recent_tokens, scale * math.log2(math.e),
+        D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if _INTERPRET else "tf32",
+        HAS_SINK_LOGITS=sink_logits is not None,
+        **prefill_launch(block_m),
+    )
+    return out.to(q.dtype)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check, one script for a short GPU session (about 9 minutes of per-step timeouts in all):
 #   1. env.txt: date, GPU, torch/triton/transformers versions
-#   2. tests.log: the Triton kernels natively on CUDA against their PyTorch references and the
-#      float64 oracle (tests/test_kernels.py, tests/test_attention.py)               <= 170 s
+#   2. tests.log: the Triton kernels (quantize, decode, prefill) natively on CUDA against their
+#      PyTorch references and the float64 oracle (tests/test_kernels.py, tests/test_attention.py) <= 170 s
 #   3. decode_attention.md/.json: decode attention, ours (int16/8/4) vs SDPA and SDPA-GQA over a
 #      bf16 cache, llama and smollm2 shapes, L 1k..128k, B 1..64 (--max-gb caps)         <= 155 s
 #   4. decode_attention_folded.md/.json and decode_attention_fp16.md/.json: the same with
 #      QSINKKV_FOLD_VALUES=1 and with QSINKKV_FP16_DOTS=1, llama, fewer rows          <= 40 s each
-#   5. prefill.md/.json: prefill of T 4k..32k tokens into an empty cache vs causal SDPA,
-#      llama shape (H 32, Hkv 8, D 128), bf16, with peak extra memory                     <= 45 s
+#   5. prefill.md/.json: prefill of T 4k..32k tokens into an empty cache (the Triton prefill kernel)
+#      vs causal SDPA, llama shape (H 32, Hkv 8, D 128), bf16, with peak extra memory     <= 45 s
 #   6. e2e_decode.md/.json: a decode step of a Llama-3-8B-shaped model (random weights), B 64,
 #      context 8k: QSinkKVCache int4 vs StaticCache/DynamicCache bf16, KV bytes per budget <= 80 s
 # Every step runs even if one before it failed; steps.txt has each one's exit status and seconds;

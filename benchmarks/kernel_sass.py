@@ -61,41 +61,46 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_prefill(head_dim: int, dtype: str, block_m: int, block_n: int):
-    """The prefill kernel as its launcher would compile it on an H200 (dtype "bf16" or "fp16")."""
+def compile_prefill(head_dim: int, dtype: str, block_m: int, block_n: int, rope: bool):
+    """The prefill kernel as its launcher would compile it on an H200 (dtype "bf16" or "fp16"; rope: the
+    cache_index contract)."""
     import triton.language as tl
     mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
     f = "*" + dtype
     sig = dict(q_ptr=f, k_ptr=f, v_ptr=f, sk_ptr=f, sv_ptr=f, spos_ptr="*i64", n0_ptr="*i64", len_ptr="*i64",
-               sink_logits_ptr="*fp32", out_ptr=f)
+               sink_logits_ptr="*fp32", inv_freq_ptr="*fp32", out_ptr=f)
     strides = "sq_b sq_h sq_t sk_b sk_h sk_t sv_b sv_h sv_t ss_b ss_h ss_n sp_b so_b so_h so_t".split()
     sig.update({n: "i32" for n in strides + "T H G N_STORED S W".split()}, qk_scale="fp32")
     const = dict(D=head_dim, DP=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                 DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16, DOT_PRECISION="tf32", HAS_SINK_LOGITS=True)
+                 DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16, DOT_PRECISION="tf32", HAS_SINK_LOGITS=True,
+                 ROPE=rope)
     sig.update({k: "constexpr" for k in const})
     # as the JIT specializes a launch: pointers and the strides of [B, H, T, D] tensors divisible by 16
     names = mod._prefill_kernel.arg_names
     aligned = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
                if v.startswith("*") or (k in strides and k != "sp_b")}
     return triton.compile(ASTSource(mod._prefill_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
-                          options=mod.prefill_launch(block_m))
+                          options=mod.prefill_launch(block_m, rope))
 
 
 def prefill_table(dims: list[int]) -> None:
     mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
-    print("\n# _prefill_kernel for sm_90a, default tiles and launch (prefill_attention)")
-    print("| D | dtype | BLOCK_M x BLOCK_N | warps, stages | regs | stack (spill) bytes | HGMMA | LDGSTS.128 |")
-    print("|---:|---|---|---|---:|---:|---:|---:|")
-    for D, dtype in [(D, t) for D in dims for t in ("bf16", "fp16")]:
-        block_m, block_n = mod.default_blocks(D)
-        k = compile_prefill(D, dtype, block_m, block_n)
+    print("\n# _prefill_kernel for sm_90a, default tiles and launch (prefill_attention); cache_index: q, k pre-RoPE")
+    print("| D | dtype | positions | BLOCK_M x BLOCK_N | warps, stages | regs | stack (spill) bytes | HGMMA "
+          "| LDGSTS.128 |")
+    print("|---:|---|---|---|---|---:|---:|---:|---:|")
+    for D, dtype, rope in [(D, t, r) for D in dims for t, r in (("bf16", False), ("fp16", False), ("bf16", True))]:
+        block_m, block_n = mod.default_blocks(D, rope)
+        k = compile_prefill(D, dtype, block_m, block_n, rope)
         res = cuobjdump(k.asm["cubin"], "-res-usage")
         sass = cuobjdump(k.asm["cubin"], "-sass")
-        launch = mod.prefill_launch(block_m)
+        launch = mod.prefill_launch(block_m, rope)
         regs, stack = (re.search(rf"{key}:(\d+)", res).group(1) for key in ("REG", "STACK"))
         copies = len(re.findall(r"LDGSTS[.A-Z]*\.128", sass))
-        print(f"| {D} | {dtype} | {block_m} x {block_n} | {launch['num_warps']}, {launch['num_stages']} | {regs} | "
-              f"{stack} | {sass.count('HGMMA')} | {copies} |", flush=True)
+        positions = "cache_index" if rope else "absolute"
+        warps, stages = launch["num_warps"], launch["num_stages"]
+        print(f"| {D} | {dtype} | {positions} | {block_m} x {block_n} | {warps}, {stages} | {regs} | {stack} | "
+              f"{sass.count('HGMMA')} | {copies} |", flush=True)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:

@@ -6,8 +6,7 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   quantize blocks    qsinkkv.quant                               qsinkkv.kernels.quantize (bit-identical)
   decode attention   decode.decode_attention_reference           decode.decode_attention_torch (folded, CPU);
                                                                  qsinkkv.kernels.decode_attention (Triton)
-  prefill attention  prefill.prefill_attention_reference         qsinkkv.kernels.prefill_attention (Triton,
-                                                                 the absolute contract)
+  prefill attention  prefill.prefill_attention_reference         qsinkkv.kernels.prefill_attention (Triton)
   write              write.append (uses the chosen quantizer)    -
 
 Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
@@ -44,13 +43,11 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     (Triton on CUDA when it is installed and head_dim % 4 == 0, else torch). ``rotary`` (the
     ``cache_index`` contract) is bound into the ops here."""
     backend = resolve_backend(backend, device, head_dim)
-    prefill = functools.partial(prefill_attention_reference, rotary=rotary)
     if backend == "triton":
         from . import kernels
-        # under cache_index a key turns by its index in the cache, per query: prefill stays on the reference
-        if rotary is None:
-            prefill = kernels.prefill_attention
-        return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary), prefill)
+        return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary),
+                   functools.partial(kernels.prefill_attention, rotary=rotary))
+    prefill = functools.partial(prefill_attention_reference, rotary=rotary)
     # the folded path needs keys at their final rotation; under cache_index each key turns by its index
     decode = decode_attention_torch if rotary is None else functools.partial(decode_attention_reference, rotary=rotary)
     return Ops("torch", quant, decode, prefill)

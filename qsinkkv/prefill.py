@@ -2,10 +2,10 @@
 the storage held before the chunk plus the chunk's own full-precision K/V, under the exact sink +
 window mask (as KIVI does); the caller stores the chunk afterwards.
 
-The reference (the torch backend's path, and the Triton backend's under the ``cache_index``
-contract): dequantize every slot, then the dense ``sink_window_attention`` per tile of queries
-over those slots and the chunk keys the tile can see. The fast version is the flash-style
-Triton kernel ``qsinkkv.kernels.prefill_attention`` (the same ``gather``, no score matrix).
+The reference (the torch backend's path): dequantize every slot, then the dense
+``sink_window_attention`` per tile of queries over those slots and the chunk keys the tile can
+see. The fast version is the flash-style Triton kernel ``qsinkkv.kernels.prefill_attention``
+(the same ``gather``, no score matrix; both position contracts).
 """
 from __future__ import annotations
 

@@ -305,32 +305,36 @@ def test_decode_sink_logits_any_layout(kernel_path):
 
 # --- prefill attention ----------------------------------------------------------------------------
 
-def prefilled_layer(cfg, prior, Hkv, Dh, seed):
+def prefilled_layer(cfg, prior, Hkv, Dh, seed, rotary=None):
     """A batch layer whose row b already holds ``prior[b]`` tokens (one ragged chunk, torch backend)."""
     g = torch.Generator().manual_seed(seed)
-    cache = SinkQuantCache(cfg, 1, len(prior), Hkv, Dh, dtype=torch.float32, backend="torch")
+    cache = SinkQuantCache(cfg, 1, len(prior), Hkv, Dh, dtype=torch.float32, backend="torch", rotary=rotary)
     if max(prior):
         cache.attend(0, *(torch.randn(len(prior), Hkv, max(prior), Dh, generator=g) for _ in range(3)), prior)
     return cache.layers[0]
 
 
-def check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, seed):
+ROT_SCALED = Rotary(ROT.inv_freq, attention_scaling=1.25)  # yarn's factor on cos and sin
+
+
+def check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, rope, seed):
     """The kernel against the reference in float32 and its float64 run on the same storage (every slot
-    dequantized exactly); padding rows zero."""
+    dequantized exactly); padding rows zero. rope: the cache_index contract."""
     from qsinkkv.kernels import prefill_attention
     from qsinkkv.prefill import prefill_attention_reference
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=8,
-                      residual_tokens=min(R, W))
+                      residual_tokens=min(R, W), positions="cache_index" if rope else "absolute")
     Hkv, B = 2, len(prior)
-    layer = prefilled_layer(cfg, prior, Hkv, D, seed)
+    rotary = ROT_SCALED if rope else None
+    layer = prefilled_layer(cfg, prior, Hkv, D, seed, rotary)
     lengths = torch.tensor(lengths)
     g = torch.Generator().manual_seed(seed + 1)
     q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
     sink_logits = torch.randn(Hkv * G, generator=g) if logits else None
-    ref = prefill_attention_reference(q, k, v, layer, lengths, sink_logits=sink_logits)
-    ref64 = prefill_attention_reference(q.double(), k.double(), v.double(), layer, lengths,
+    ref = prefill_attention_reference(q, k, v, layer, lengths, sink_logits=sink_logits, rotary=rotary)
+    ref64 = prefill_attention_reference(q.double(), k.double(), v.double(), layer, lengths, rotary=rotary,
                                         sink_logits=None if sink_logits is None else sink_logits.double())
-    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths,
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, rotary=rotary,
                             sink_logits=None if sink_logits is None else sink_logits.to(DEVICE),
                             block_m=blocks[0], block_n=blocks[1]).cpu()
     pad = (torch.arange(T).view(1, 1, T, 1) >= lengths.view(B, 1, 1, 1)).expand_as(out)
@@ -353,21 +357,23 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("rope", [False, True], ids=["absolute", "cache_index"])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-T{c[6]}")
-def test_prefill_matches_reference_and_float64(case):
-    check_prefill(*case, seed=11)
+def test_prefill_matches_reference_and_float64(case, rope):
+    check_prefill(*case, rope=rope, seed=11)
 
 
 @settings(max_examples=8, deadline=None)
 @given(bits=st.sampled_from([16, 8, 4]), S=st.integers(0, 5), W=st.integers(1, 40), bs=st.sampled_from([1, 4, 5]),
        R=st.integers(0, 4), prior=st.lists(st.integers(0, 60), min_size=1, max_size=3), T=st.integers(2, 90),
        cut=st.lists(st.floats(0, 1), min_size=3, max_size=3), G=st.sampled_from([1, 3]),
-       logits=st.booleans(), blocks=st.sampled_from([(16, 16), (32, 16), (16, 32)]), seed=st.integers(0, 2**31))
-def test_prefill_random_layouts(bits, S, W, bs, R, prior, T, cut, G, logits, blocks, seed):
+       logits=st.booleans(), blocks=st.sampled_from([(16, 16), (32, 16), (16, 32)]), rope=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_prefill_random_layouts(bits, S, W, bs, R, prior, T, cut, G, logits, blocks, rope, seed):
     """Ragged chunks (row b holds lengths[b] <= T real tokens after prior[b] stored ones; 0 = idle, but
-    not every row) into random layouts."""
+    not every row) into random layouts, both position contracts."""
     lengths = [max(1, round(T * c)) if i == 0 else round(T * c) for i, c in zip(range(len(prior)), cut)]
-    check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, seed)
+    check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, rope, seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -409,12 +415,13 @@ def test_prefill_strided_chunk_and_nonfinite_padding():
 
 
 def test_backend_prefill_choice():
-    """The Triton backend prefills through the kernel under the absolute contract, through the reference
-    under cache_index (keys turn by their cache index per query)."""
+    """The Triton backend prefills through the kernel under both contracts (the rotary bound in), the torch
+    backend through the reference."""
     from qsinkkv.kernels import prefill_attention
     from qsinkkv.ops import select_ops
-    assert select_ops("triton", torch.device(DEVICE), D, None).prefill is prefill_attention
-    assert select_ops("triton", torch.device(DEVICE), D, ROT).prefill.func.__name__ == "prefill_attention_reference"
+    assert select_ops("triton", torch.device(DEVICE), D, None).prefill.func is prefill_attention
+    rope = select_ops("triton", torch.device(DEVICE), D, ROT).prefill
+    assert rope.func is prefill_attention and rope.keywords["rotary"] is ROT
     assert select_ops("torch", torch.device(DEVICE), D, None).prefill.func.__name__ == "prefill_attention_reference"
 
 

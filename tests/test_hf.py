@@ -417,3 +417,32 @@ def test_tensor_parallel_degree_must_divide_the_kv_heads(lm):
     with pytest.raises(ValueError, match="tp_size=4 ranks but has num_key_value_heads=3"):
         QSinkKVCache(CacheConfig(), Sharded())
     QSinkKVCache(CacheConfig(), model)  # tp_size None: one process
+
+
+def test_triton_backend_generate_equals_torch_backend():
+    """generate on the Triton backend (the prefill and decode kernels; Triton's interpreter on a CPU) gives
+    the torch backend's greedy tokens and logits: a tiny random Llama, a left-padded batch of prompts of
+    different lengths, one longer than the capacity, lossless float32 storage. (Both contracts of both
+    kernels against the float64 oracle: tests/test_attention.py, tests/test_kernels.py.)"""
+    from conftest import DEVICE, KERNEL_TOL
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).to(DEVICE).eval()
+    use(model, "qsinkkv")
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=14, block_size=4, bits=16, **F32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (5, 19, 11)]
+    batch, mask = _left_padded(type("Tok", (), {"eos_token_id": 0}), prompts)
+    run = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
+               return_dict_in_generate=True, pad_token_id=0)
+    out = {}
+    with torch.no_grad():
+        for backend in ("torch", "triton"):
+            out[backend] = model.generate(batch.to(DEVICE), attention_mask=mask.to(DEVICE),
+                                          cache=QSinkKVCache(cfg, model.config, backend=backend), **run)
+    assert torch.equal(out["torch"].sequences, out["triton"].sequences)
+    diff = max((x - y).abs().max().item() for x, y in zip(out["torch"].logits, out["triton"].logits))
+    scale = max(x.abs().max().item() for x in out["torch"].logits)
+    assert diff < 10 * KERNEL_TOL * scale, f"{diff:.2e}"

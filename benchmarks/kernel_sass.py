@@ -13,9 +13,10 @@ The yardstick (design sheet): an H200 issues ~132 SMs x 4 schedulers x 1.98 GHz 
 warp-instructions/s against ~4.3e12 B/s of HBM, so a loop at <= ~0.24 warp-instructions per
 KV byte (instructions x warps / bytes one iteration streams) can run at full bandwidth; one
 at 1.0 cannot. A second table compiles ``_prefill_kernel`` (bf16 and fp16, its default tiles and
-launch): registers, spills, tensor-core instructions (HGMMA) and whether its tile loads became
-asynchronous 16-byte copies (LDGSTS.128). Not part of CI: Triton's NVIDIA backend must be
-importable (it is on x86 Linux).
+launch): registers, spills, tensor-core instructions (HGMMA), whether its tile loads became
+asynchronous 16-byte copies (LDGSTS.128), and the size of each key-tile loop (one per run of
+tiles: stored sinks, stored slots, chunk sinks, the window's masked edges and unmasked inside).
+Not part of CI: Triton's NVIDIA backend must be importable (it is on x86 Linux).
 """
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ def prefill_table(dims: list[int]) -> None:
     mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
     print("\n# _prefill_kernel for sm_90a, default tiles and launch (prefill_attention); cache_index: q, k pre-RoPE")
     print("| D | dtype | positions | BLOCK_M x BLOCK_N | warps, stages | regs | stack (spill) bytes | HGMMA "
-          "| LDGSTS.128 |")
-    print("|---:|---|---|---|---|---:|---:|---:|---:|")
+          "| LDGSTS.128 | key-tile loops, instr each (the smallest: no mask) |")
+    print("|---:|---|---|---|---|---:|---:|---:|---:|---|")
     for D, dtype, rope in [(D, t, r) for D in dims for t, r in (("bf16", False), ("fp16", False), ("bf16", True))]:
         block_m, block_n = mod.default_blocks(D, rope)
         k = compile_prefill(D, dtype, block_m, block_n, rope)
@@ -97,10 +98,14 @@ def prefill_table(dims: list[int]) -> None:
         launch = mod.prefill_launch(block_m, rope)
         regs, stack = (re.search(rf"{key}:(\d+)", res).group(1) for key in ("REG", "STACK"))
         copies = len(re.findall(r"LDGSTS[.A-Z]*\.128", sass))
+        ins = instructions(sass)
+        spans = [(lo, a) for a, text in ins if (lo := _target(text)) is not None and lo < a]
+        bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in spans]
+        loops = [len(body) for body in bodies if any("HGMMA" in t for t in body)]  # the key-tile loops
         positions = "cache_index" if rope else "absolute"
         warps, stages = launch["num_warps"], launch["num_stages"]
         print(f"| {D} | {dtype} | {positions} | {block_m} x {block_n} | {warps}, {stages} | {regs} | {stack} | "
-              f"{sass.count('HGMMA')} | {copies} |", flush=True)
+              f"{sass.count('HGMMA')} | {copies} | {', '.join(map(str, loops))} |", flush=True)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:

@@ -73,18 +73,22 @@ def _load_rows(base, rows, stride, ok, c, c_ok, partner, sign, freq, idx, DOT_DT
 @triton.jit
 def _attend_rows(q, q_sink, q_rel, k_base, v_base, k_stride, v_stride, rows, k_ok, k_rel, k_sink, rot_idx,
                  m_i, l_i, acc, W, qk_scale, c, c_ok, partner, sign, freq, MIXED: tl.constexpr, ROPE: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
     """One tile of keys (``rows [N]``; per key: ``k_ok``, position relative to the chunk's first
     ``k_rel``, ``k_sink``, rotation index ``rot_idx``) folded into the running max ``m_i [M]``, sum
     ``l_i [M]`` and output ``acc [M, DP]`` (float32) of the queries ``q [M, DP]``. MIXED (a tile that
-    may hold sinks, under ROPE): sink keys meet the query at its sink rotation ``q_sink``."""
+    may hold sinks, under ROPE): sink keys meet the query at its sink rotation ``q_sink``. Not MASKED: the
+    caller knows every key of the tile is real and visible to every query of the tile."""
     k = _load_rows(k_base, rows, k_stride, k_ok, c, c_ok, partner, sign, freq, rot_idx, DOT_DTYPE, ROPE)
     # padding keys are never read: a masked key still meets its value in p @ v
     v = _load_rows(v_base, rows, v_stride, k_ok, c, c_ok, partner, sign, freq, rot_idx, DOT_DTYPE, False)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MIXED:
         s = tl.where(k_sink[None, :], tl.dot(q_sink, tl.trans(k), input_precision=DOT_PRECISION), s)
-    s = tl.where(_visible(q_rel, k_rel, k_ok, k_sink, W), s * qk_scale, float("-inf"))
+    if MASKED:
+        s = tl.where(_visible(q_rel, k_rel, k_ok, k_sink, W), s * qk_scale, float("-inf"))
+    else:
+        s = s * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
     alpha = tl.exp2(m_i - m_safe)
@@ -114,7 +118,8 @@ def _attend_stored(q, q_sink, q_rel, sk_base, sv_base, ss_n, spos_base, n0, star
 @triton.jit
 def _attend_chunk(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, start, stop, base_rel, W,
                   m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N: tl.constexpr, MIXED: tl.constexpr,
-                  ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr = True):
     """The chunk's keys ``[start, stop)``: row ``j`` at relative position ``j``, real while ``j < length``,
     a sink while ``j < chunk_sinks``."""
     for n in range(start, stop, BLOCK_N):
@@ -123,7 +128,7 @@ def _attend_chunk(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, n0, length, chun
         rot_idx = tl.where(k_sink, (n0 + j).to(tl.int32), j - base_rel)
         m_i, l_i, acc = _attend_rows(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, j, j < length, j, k_sink, rot_idx,
                                      m_i, l_i, acc, W, qk_scale, c, c_ok, partner, sign, freq, MIXED, ROPE,
-                                     DOT_DTYPE, DOT_PRECISION)
+                                     DOT_DTYPE, DOT_PRECISION, MASKED)
     return m_i, l_i, acc
 
 
@@ -197,7 +202,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_p
     m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, 0, sink_end,
                                   base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, ROPE,
                                   ROPE, DOT_DTYPE, DOT_PRECISION)
-    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, lo, hi,
+    # the window's inner tiles, [full_lo, full_hi): every key real, at or before the tile's first query and
+    # inside its last query's window, so no mask (FlashAttention's split of masked and full tiles)
+    full_hi = tl.maximum(tl.minimum(t0 + 1, length) // BLOCK_N * BLOCK_N, lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(t0 + BLOCK_M - W, 0), BLOCK_N) * BLOCK_N, lo), full_hi)
+    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, lo, full_lo,
+                                  base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, False,
+                                  ROPE, DOT_DTYPE, DOT_PRECISION)
+    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, full_lo, full_hi,
+                                  base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, False,
+                                  ROPE, DOT_DTYPE, DOT_PRECISION, MASKED=False)
+    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, full_hi, hi,
                                   base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, False,
                                   ROPE, DOT_DTYPE, DOT_PRECISION)
 

@@ -354,6 +354,8 @@ PREFILL_CASES = [
     (8, 3, 7, 5, 2, [12, 0, 9], 50, [50, 0, 31], 3, True, (32, 16)),
     # no sinks: a plain sliding window
     (16, 0, 33, 4, 0, [5, 70], 64, [64, 64], 1, False, (16, 32)),
+    # a window wider than a query tile and a key tile: the inner key tiles run without a mask
+    (4, 2, 40, 4, 0, [0, 50], 90, [90, 77], 3, False, (16, 16)),
 ]
 
 

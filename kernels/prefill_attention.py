@@ -13,9 +13,11 @@ the chunk's own full-precision K/V, under the exact sink + window mask, never ma
 So a query tile touches at most ``capacity + S + W + BLOCK_M`` keys: time grows linearly with T
 at a fixed capacity, and the extra memory is the stored slots plus the output.
 
-Grid ``(cdiv(T, BLOCK_M), B * H)``: one program per (query tile, sequence, query head); the query
-head h reads kv head ``h // (H / Hkv)``. Online softmax (base 2); the learned sink logits start
-the running (max, sum) at ``(s_h, 1)`` with no value. Positions inside the kernel are int32 and
+Grid ``(B * H, cdiv(T, BLOCK_M))``: one program per (sequence, query head, query tile); the query
+head h reads kv head ``h // (H / Hkv)``, and the G heads of a kv head are neighbours in launch order
+(their K/V tiles meet in L2); the first grid axis takes any batch (the second stops at 65,535
+tiles). Online softmax (base 2); the learned sink logits start the running (max, sum) at
+``(s_h, 1)`` with no value. Positions inside the kernel are int32 and
 relative to the chunk's first one (a stream is unbounded, a window is not).
 
 Under the ``cache_index`` contract (``rotary``) q, k and the stored keys are pre-RoPE and are turned
@@ -139,8 +141,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_p
                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
                     ROPE: tl.constexpr):
-    t0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    t0 = tl.program_id(1) * BLOCK_M
     b = bh // H
     h = bh % H
     hk = h // G
@@ -264,6 +266,9 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if triton.cdiv(T, block_m) > 65535:
+        raise ValueError(f"a prefill chunk holds at most 65535 * block_m = {65535 * block_m} tokens, got T={T}: "
+                         "split it into chunks")
     stored_k, stored_v, stored_pos = gather(layer, q.dtype)     # [B, Hkv, N, D], [B, N]
     stored_pos = stored_pos.contiguous()
     if stored_k.stride(3) != 1 or stored_k.stride() != stored_v.stride():  # one set of strides for both
@@ -283,7 +288,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
     # the interpreter narrows float32 to bf16 by truncation, not rounding: it writes float32 there
     out_dtype = torch.float32 if _INTERPRET and q.dtype == torch.bfloat16 else q.dtype
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    _prefill_kernel[(triton.cdiv(T, block_m), B * H)](
+    _prefill_kernel[(B * H, triton.cdiv(T, block_m))](
         q, k, v, stored_k, stored_v, stored_pos, n0, lengths, sink_logits if sink_logits is not None else q, inv_freq,
         out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),

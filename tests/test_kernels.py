@@ -414,6 +414,9 @@ def test_prefill_strided_chunk_and_nonfinite_padding():
     assert rel_rms(out, ref) < KERNEL_TOL
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=24)
+    huge = torch.zeros(2, 4, 1, D, device=DEVICE).expand(2, 4, 65535 * 16 + 1, D)  # a view: no memory
+    with pytest.raises(ValueError, match="split it into chunks"):
+        prefill_attention(huge, huge[:, :2], huge[:, :2], on_device(layer), lengths, block_m=16)
 
 
 def test_backend_prefill_choice():

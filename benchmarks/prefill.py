@@ -9,10 +9,11 @@ of a T-token prompt into an empty cache (attention under the sink + window mask,
 chunk stored and its blocks quantized), against ``scaled_dot_product_attention(is_causal=True)``
 over the same T tokens (the full cache's attention). A prefill that reads only what each
 query tile can see grows linearly with T: its ms per 1k tokens stays flat while causal
-SDPA's grows. On CUDA the table adds
-``x sdpa`` (SDPA time / ours) and the peak memory each allocates beyond its inputs
-(``torch.cuda.max_memory_allocated`` over one call, reset before it; ours includes the cache
-storage it fills).
+SDPA's grows. On CUDA the cache runs the Triton backend (the prefill kernel), and the table adds
+``x sdpa`` (SDPA time / ours), the same cache on the torch backend (the PyTorch reference
+prefill: ``torch ms`` and ``x torch``, its time / ours) and the peak memory each allocates
+beyond its inputs (``torch.cuda.max_memory_allocated`` over one call, reset before it; ours
+includes the cache storage it fills).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def main():
           f"int{a.bits}; median of {a.reps}")
     cols = "| T | qsinkkv ms | qsinkkv ms / 1k tokens | causal SDPA ms | SDPA ms / 1k tokens |"
     if cuda:
-        cols += " x sdpa | qsinkkv peak MiB | SDPA peak MiB |"
+        cols += " x sdpa | torch ms | x torch | qsinkkv peak MiB | SDPA peak MiB |"
     print(cols)
     print("|" + "---:|" * (cols.count("|") - 1))
     rows = []
@@ -82,8 +83,8 @@ def main():
         g = torch.Generator().manual_seed(T)
         q, k, v = (torch.randn(1, h, T, D, generator=g).to(a.device, dtype) for h in (H, HKV, HKV))
 
-        def ours():
-            cache = SinkQuantCache(cfg, 1, 1, HKV, D, device=a.device, dtype=dtype)
+        def ours(backend="auto"):
+            cache = SinkQuantCache(cfg, 1, 1, HKV, D, device=a.device, dtype=dtype, backend=backend)
             cache.attend(0, q, k, v)
 
         def sdpa_gqa():
@@ -106,9 +107,12 @@ def main():
         if not cuda:
             print(f"| {T:,} | {ms:.0f} | {ms / T * 1e3:.1f} | {sdpa:.0f} | {sdpa / T * 1e3:.1f} |", flush=True)
         else:
-            row.update(sdpa_form=sdpa_form, qsinkkv_peak_mib=peak_mib(ours), sdpa_peak_mib=peak_mib(sdpa_fn))
+            torch_ms = wall_ms(lambda: ours("torch"), a.reps, a.device)
+            row.update(sdpa_form=sdpa_form, torch_backend_ms=torch_ms, qsinkkv_peak_mib=peak_mib(ours),
+                       sdpa_peak_mib=peak_mib(sdpa_fn))
             print(f"| {T:,} | {ms:.2f} | {ms / T * 1e3:.2f} | {sdpa:.2f} | {sdpa / T * 1e3:.2f} | {sdpa / ms:.2f} | "
-                  f"{row['qsinkkv_peak_mib']:,.0f} | {row['sdpa_peak_mib']:,.0f} |", flush=True)
+                  f"{torch_ms:.2f} | {torch_ms / ms:.2f} | {row['qsinkkv_peak_mib']:,.0f} | "
+                  f"{row['sdpa_peak_mib']:,.0f} |", flush=True)
         rows.append(row)
         if a.json:  # after every row: a run stopped by a timeout keeps its rows
             with open(a.json, "w") as f:

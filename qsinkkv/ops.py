@@ -6,7 +6,8 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   quantize blocks    qsinkkv.quant                               qsinkkv.kernels.quantize (bit-identical)
   decode attention   decode.decode_attention_reference           decode.decode_attention_torch (folded, CPU);
                                                                  qsinkkv.kernels.decode_attention (Triton)
-  prefill attention  prefill.prefill_attention_reference         qsinkkv.kernels.prefill_attention (Triton)
+  prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
+                                                                 qsinkkv.kernels.prefill_attention (Triton)
   write              write.append (uses the chosen quantizer)    -
 
 Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
@@ -24,7 +25,7 @@ import torch
 
 from . import quant
 from .decode import decode_attention_reference, decode_attention_torch
-from .prefill import prefill_attention_reference
+from .prefill import prefill_attention_reference, prefill_attention_torch
 from .rope import Rotary
 
 BACKENDS = ("auto", "torch", "triton")
@@ -47,10 +48,12 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
         from . import kernels
         return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary),
                    functools.partial(kernels.prefill_attention, rotary=rotary))
-    prefill = functools.partial(prefill_attention_reference, rotary=rotary)
-    # the folded path needs keys at their final rotation; under cache_index each key turns by its index
-    decode = decode_attention_torch if rotary is None else functools.partial(decode_attention_reference, rotary=rotary)
-    return Ops("torch", quant, decode, prefill)
+    # the folded decode and SDPA's prefill need keys at their final rotation; under cache_index each key
+    # turns by its index
+    if rotary is None:
+        return Ops("torch", quant, decode_attention_torch, prefill_attention_torch)
+    return Ops("torch", quant, functools.partial(decode_attention_reference, rotary=rotary),
+               functools.partial(prefill_attention_reference, rotary=rotary))
 
 
 def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:

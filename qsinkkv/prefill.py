@@ -2,17 +2,28 @@
 the storage held before the chunk plus the chunk's own full-precision K/V, under the exact sink +
 window mask (as KIVI does); the caller stores the chunk afterwards.
 
-The reference (the torch backend's path): dequantize every slot, then the dense
-``sink_window_attention`` per tile of queries over those slots and the chunk keys the tile can
-see. The fast version is the flash-style Triton kernel ``qsinkkv.kernels.prefill_attention``
-(the same ``gather``, no score matrix; both position contracts).
+Both PyTorch versions dequantize every stored slot once (``gather``) and go in tiles of queries,
+each over those slots and only the chunk keys the tile can see:
+
+* ``prefill_attention_reference``: the dense ``sink_window_attention`` per tile (the oracle's
+  rule, in float32; every contract, sink logits);
+* ``prefill_attention_torch`` (the torch backend's path, absolute contract): the same tiles
+  through ``scaled_dot_product_attention`` with the visible set as a boolean mask, PyTorch's
+  fused CPU kernel (``benchmarks/prefill.py`` times it).
+
+The Triton backend's is the flash-style kernel ``qsinkkv.kernels.prefill_attention`` (the same
+``gather``, no score matrix; both position contracts).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import sink_window_attention
+from .layout import visible_mask
 from .rope import Rotary
 from .storage import LayerStorage, gather
 
@@ -29,6 +40,35 @@ def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, layer: LayerSto
     Queries go in tiles; a tile reads the stored slots (at most the capacity plus a block) and
     only the chunk keys it can see: the chunk's sinks and the W before the tile. Time and memory
     grow linearly with T at a fixed capacity."""
+    cfg = layer.layout.config
+    attend = functools.partial(sink_window_attention, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
+                               scale=scale, rotary=rotary, sink_logits=sink_logits)
+    return _in_tiles(q, k, v, layer, lengths, attend)
+
+
+def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, *,
+                            scale: float | None = None, sink_logits: Tensor | None = None) -> Tensor:
+    """``prefill_attention_reference`` (absolute contract) with each tile through PyTorch's fused
+    ``scaled_dot_product_attention`` under the visible set as a boolean mask, in float32 (float64 for
+    float64 inputs). Learned sink logits (an extra softmax term SDPA has no place for) take the
+    reference."""
+    if sink_logits is not None:
+        return prefill_attention_reference(q, k, v, layer, lengths, scale=scale, sink_logits=sink_logits)
+    cfg = layer.layout.config
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def attend(q_t, k_t, v_t, q_pos, k_pos):
+        seen = visible_mask(q_pos, k_pos, cfg.sink_tokens, cfg.recent_tokens).unsqueeze(1)  # [B, 1, t, N]
+        # a padding query may see nothing (SDPA then gives NaN): its row is zeroed at the end
+        out = F.scaled_dot_product_attention(q_t.to(work), k_t.to(work), v_t.to(work), attn_mask=seen, scale=scale,
+                                             enable_gqa=q_t.shape[1] != k_t.shape[1])
+        return out.to(q_t.dtype)
+    return _in_tiles(q, k, v, layer, lengths, attend)
+
+
+def _in_tiles(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, attend) -> Tensor:
+    """The tiling both versions share: ``attend(q_tile, k, v, q_pos, k_pos)`` for each tile of queries
+    over the stored slots and the chunk keys it can see; padding rows zeroed."""
     B, _, T, _ = q.shape
     cfg = layer.layout.config
     S, W = cfg.sink_tokens, cfg.recent_tokens
@@ -47,8 +87,7 @@ def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, layer: LayerSto
         t1 = min(t0 + _QUERY_TILE, T)
         lo = max(t0 - W + 1, 0)                            # older chunk keys are outside every window here
         idx = torch.cat((torch.arange(min(chunk_sinks, lo), device=q.device), torch.arange(lo, t1, device=q.device)))
-        out[:, :, t0:t1] = sink_window_attention(
+        out[:, :, t0:t1] = attend(
             q[:, :, t0:t1], torch.cat((stored_k, k[:, :, idx]), dim=2), torch.cat((stored_v, v[:, :, idx]), dim=2),
-            q_pos[:, t0:t1], torch.cat((stored_pos, chunk_pos[:, idx]), dim=1), sink_tokens=S, recent_tokens=W,
-            scale=scale, rotary=rotary, sink_logits=sink_logits)
+            q_pos[:, t0:t1], torch.cat((stored_pos, chunk_pos[:, idx]), dim=1))
     return out.masked_fill(~real.view(B, 1, T, 1), 0)

@@ -421,13 +421,14 @@ def test_prefill_strided_chunk_and_nonfinite_padding():
 
 def test_backend_prefill_choice():
     """The Triton backend prefills through the kernel under both contracts (the rotary bound in), the torch
-    backend through the reference."""
+    backend through SDPA per tile (absolute) or the reference (cache_index)."""
     from qsinkkv.kernels import prefill_attention
     from qsinkkv.ops import select_ops
     assert select_ops("triton", torch.device(DEVICE), D, None).prefill.func is prefill_attention
     rope = select_ops("triton", torch.device(DEVICE), D, ROT).prefill
     assert rope.func is prefill_attention and rope.keywords["rotary"] is ROT
-    assert select_ops("torch", torch.device(DEVICE), D, None).prefill.func.__name__ == "prefill_attention_reference"
+    assert select_ops("torch", torch.device(DEVICE), D, None).prefill.__name__ == "prefill_attention_torch"
+    assert select_ops("torch", torch.device(DEVICE), D, ROT).prefill.func.__name__ == "prefill_attention_reference"
 
 
 def test_prefill_positions_past_2_31():

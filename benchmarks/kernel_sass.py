@@ -53,13 +53,7 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
     cfg = CacheConfig(sink_tokens=4, recent_tokens=4092, bits=bits, block_size=block, value_group_size=group)
     const = mod.decode_constexprs(cfg, head_dim, group_heads=4, splits=4, rope=False, interpret=False,
                                   fold_values=values == "folded", fp16_dots=values == "fp16")
-    sig.update({k: "constexpr" for k in const})
-    # as the JIT specializes a launch on torch tensors: every pointer 16-byte aligned (what lets the
-    # compiler vectorize loads); without this the offline code would load byte by byte
-    names = mod._decode_kernel.arg_names
-    aligned = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
-    return triton.compile(ASTSource(mod._decode_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+    return compile_sm90a(mod._decode_kernel, sig, const, dict(num_warps=warps, num_stages=stages))
 
 
 def compile_prefill(head_dim: int, dtype: str, block_m: int, block_n: int, rope: bool):
@@ -75,13 +69,20 @@ def compile_prefill(head_dim: int, dtype: str, block_m: int, block_n: int, rope:
     const = dict(D=head_dim, DP=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
                  DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16, DOT_PRECISION="tf32", HAS_SINK_LOGITS=True,
                  ROPE=rope)
-    sig.update({k: "constexpr" for k in const})
-    # as the JIT specializes a launch: pointers and the strides of [B, H, T, D] tensors divisible by 16
-    names = mod._prefill_kernel.arg_names
+    # the strides of [B, H, T, D] tensors are multiples of 16 in a real launch (not the positions' row)
+    return compile_sm90a(mod._prefill_kernel, sig, const, mod.prefill_launch(block_m, rope),
+                         divisible=[n for n in strides if n != "sp_b"])
+
+
+def compile_sm90a(fn, sig: dict, const: dict, options: dict, divisible: list[str] = ()):
+    """``fn`` compiled for the H200 with the facts the JIT gives a launch on torch tensors: every pointer
+    16-byte aligned (what lets the compiler vectorize loads; without it the offline code loads element
+    by element), and the integer arguments ``divisible`` multiples of 16."""
+    sig = {**sig, **{k: "constexpr" for k in const}}
+    names = fn.arg_names
     aligned = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
-               if v.startswith("*") or (k in strides and k != "sp_b")}
-    return triton.compile(ASTSource(mod._prefill_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
-                          options=mod.prefill_launch(block_m, rope))
+               if v.startswith("*") or k in divisible}
+    return triton.compile(ASTSource(fn, sig, const, aligned), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def prefill_table(dims: list[int]) -> None:
@@ -93,19 +94,17 @@ def prefill_table(dims: list[int]) -> None:
     for D, dtype, rope in [(D, t, r) for D in dims for t, r in (("bf16", False), ("fp16", False), ("bf16", True))]:
         block_m, block_n = mod.default_blocks(D, rope)
         k = compile_prefill(D, dtype, block_m, block_n, rope)
-        res = cuobjdump(k.asm["cubin"], "-res-usage")
+        regs, stack = resources(k.asm["cubin"])
         sass = cuobjdump(k.asm["cubin"], "-sass")
         launch = mod.prefill_launch(block_m, rope)
-        regs, stack = (re.search(rf"{key}:(\d+)", res).group(1) for key in ("REG", "STACK"))
         copies = len(re.findall(r"LDGSTS[.A-Z]*\.128", sass))
         ins = instructions(sass)
-        spans = [(lo, a) for a, text in ins if (lo := _target(text)) is not None and lo < a]
-        bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in spans]
-        loops = [len(body) for body in bodies if any("HGMMA" in t for t in body)]  # the key-tile loops
+        bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops(ins)]
+        tile_loops = [len(body) for body in bodies if any("HGMMA" in t for t in body)]  # the key-tile loops
         positions = "cache_index" if rope else "absolute"
         warps, stages = launch["num_warps"], launch["num_stages"]
         print(f"| {D} | {dtype} | {positions} | {block_m} x {block_n} | {warps}, {stages} | {regs} | {stack} | "
-              f"{sass.count('HGMMA')} | {copies} | {', '.join(map(str, loops))} |", flush=True)
+              f"{sass.count('HGMMA')} | {copies} | {', '.join(map(str, tile_loops))} |", flush=True)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:
@@ -114,6 +113,12 @@ def cuobjdump(cubin: bytes, flag: str) -> str:
         f.flush()
         return subprocess.run([str(BIN / "cuobjdump"), flag, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread."""
+    res = cuobjdump(cubin, "-res-usage")
+    return tuple(int(re.search(rf"{key}:(\d+)", res).group(1)) for key in ("REG", "STACK"))
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
@@ -125,10 +130,14 @@ def _target(text: str) -> int | None:
     return int(m.group(1), 16) if m else None
 
 
+def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) addresses of every loop: a backward branch and its target."""
+    return [(t, a) for a, text in ins if (t := _target(text)) is not None and t < a]
+
+
 def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
-    """(first, last) addresses of the largest loop: a backward branch and its target."""
-    loops = [(t, a) for a, text in ins if (t := _target(text)) is not None and t < a]
-    return max(loops, key=lambda lo_hi: sum(lo_hi[0] <= a <= lo_hi[1] for a, _ in ins))
+    """(first, last) addresses of the largest loop."""
+    return max(loops(ins), key=lambda lo_hi: sum(lo_hi[0] <= a <= lo_hi[1] for a, _ in ins))
 
 
 def walk(ins: list[tuple[int, str]], first: int, last: int, take_first_branch: bool) -> list[str]:
@@ -177,9 +186,7 @@ def main():
     modes = lambda bits: ("dequantized", "folded", "fp16") if bits != 16 else ("-",)  # noqa: E731
     for D, bits, values in [(D, b, v) for D in a.dims for b in a.bits for v in modes(b)]:
         k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, values)
-        res = cuobjdump(k.asm["cubin"], "-res-usage")
-        regs = int(re.search(r"REG:(\d+)", res).group(1))
-        stack = int(re.search(r"STACK:(\d+)", res).group(1))
+        regs, stack = resources(k.asm["cubin"])
         sass = cuobjdump(k.asm["cubin"], "-sass")
         if a.sass_dir:
             Path(a.sass_dir).mkdir(parents=True, exist_ok=True)

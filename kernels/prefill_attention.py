@@ -282,7 +282,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
         qk_scale *= rotary.attention_scaling ** 2
         inv_freq = rotary.inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     else:
-        inv_freq = lengths
+        inv_freq = lengths  # any pointer: the kernel reads inv_freq under ROPE only (sink logits likewise)
     if sink_logits is not None:
         sink_logits = sink_logits.to(device=q.device, dtype=torch.float32).contiguous()
     # the interpreter narrows float32 to bf16 by truncation, not rounding: it writes float32 there

@@ -122,8 +122,8 @@ def wall_ms(fn, reps):
 
 
 def bench_cpu(args):
-    print(f"# CPU, {torch.get_num_threads()} threads: the decode op the cache runs on the CPU (folded from the "
-          "codes, qsinkkv.decode.decode_attention_torch); wall-clock medians")
+    print(f"# CPU, {torch.get_num_threads()} threads: the decode op the cache runs on the CPU "
+          "(qsinkkv.decode.decode_attention_torch); wall-clock medians")
     print_header(gpu=False)
     rows = []
     for shape in args.shapes:

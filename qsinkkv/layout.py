@@ -75,6 +75,11 @@ class WindowLayout:
         """Rows of the float ring: ``float_slots * block_size``."""
         return self.float_slots * self.config.block_size
 
+    @property
+    def num_slots(self) -> int:
+        """Slots of one sequence, in ``slot_positions`` order: ``S + quant_slots * bs + float_rows``."""
+        return self.sink_tokens + self.quant_slots * self.block_size + self.float_rows
+
     # --- counts, as functions of the number of recent tokens m (ints or tensors) ------------
     def recent_count(self, seq_len):
         """Recent tokens m of a sequence of ``seq_len`` tokens."""

@@ -4,7 +4,7 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
 
   op                 reference                                   fast
   quantize blocks    qsinkkv.quant                               qsinkkv.kernels.quantize (bit-identical)
-  decode attention   decode.decode_attention_reference           decode.decode_attention_torch (folded, CPU);
+  decode attention   decode.decode_attention_reference           decode.decode_attention_torch (CPU);
                                                                  qsinkkv.kernels.decode_attention (Triton)
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
@@ -48,8 +48,8 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
         from . import kernels
         return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary),
                    functools.partial(kernels.prefill_attention, rotary=rotary))
-    # the folded decode and SDPA's prefill need keys at their final rotation; under cache_index each key
-    # turns by its index
+    # the CPU decode's products and SDPA's prefill need keys at their final rotation; under cache_index
+    # each key turns by its index
     if rotary is None:
         return Ops("torch", quant, decode_attention_torch, prefill_attention_torch)
     return Ops("torch", quant, functools.partial(decode_attention_reference, rotary=rotary),

@@ -174,18 +174,27 @@ def by_table(pool: Tensor, table: Tensor, dense: bool) -> Tensor:
 def gather(storage: LayerStorage, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """Every slot, dequantized (the reference read): k, v ``[B, Hkv, N, D]`` in ``dtype`` and
     their positions ``[B, N]`` (-1: empty)."""
-    s, cfg = storage, storage.layout.config
-    sink_pos, quant_pos, float_pos = s.layout.slot_positions(s.seq_lens.to(s.device))
-    read = lambda name, table: by_table(getattr(s, name), table, s.dense)  # noqa: E731
-    ks, vs = [read("sink_k", s.sink_table).to(dtype)], [read("sink_v", s.sink_table).to(dtype)]  # [Hkv, B, S, D]
-    if quant_pos.shape[1]:
-        t = s.quant_table
-        ks.append(quant.dequantize_key_blocks(read("key_codes", t), read("key_scale", t), read("key_zero", t),
-                                              cfg.bits).flatten(2, 3).to(dtype))
-        vs.append(quant.dequantize_values(read("value_codes", t), read("value_scale", t), read("value_zero", t),
-                                          cfg.bits, cfg.value_group_size).flatten(2, 3).to(dtype))
-    ks.append(read("float_k", s.float_table).flatten(2, 3).to(dtype))
-    vs.append(read("float_v", s.float_table).flatten(2, 3).to(dtype))
-    k, v = (torch.cat(x, dim=2).transpose(0, 1) for x in (ks, vs))
-    return k, v, torch.cat((sink_pos, quant_pos, float_pos), dim=1)
+    s = storage
+    shape = (s.num_kv_heads, s.batch_size, s.layout.num_slots, s.head_dim)
+    k, v = (torch.empty(shape, dtype=torch.float32, device=s.device) for _ in range(2))
+    gather_into(s, k, v)
+    positions = torch.cat(s.layout.slot_positions(s.seq_lens.to(s.device)), dim=1)
+    return k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), positions
 
+
+def gather_into(storage: LayerStorage, k: Tensor, v: Tensor) -> None:
+    """Dequantize every slot into float32 ``k, v [Hkv, B, N, D]`` (head-major, as the pools): the
+    sinks, then the quantized ring, then the float ring, the slot order of ``slot_positions``."""
+    s, cfg = storage, storage.layout.config
+    S, bs, nq = cfg.sink_tokens, cfg.block_size, s.layout.quant_slots
+    read = lambda name, table: by_table(getattr(s, name), table, s.dense)  # noqa: E731
+    k[:, :, :S] = read("sink_k", s.sink_table)
+    v[:, :, :S] = read("sink_v", s.sink_table)
+    if nq:
+        t, quantized = s.quant_table, slice(S, S + nq * bs)
+        quant.dequantize_key_blocks(read("key_codes", t), read("key_scale", t), read("key_zero", t), cfg.bits,
+                                    out=k[:, :, quantized].unflatten(2, (nq, bs)))
+        quant.dequantize_values(read("value_codes", t), read("value_scale", t), read("value_zero", t), cfg.bits,
+                                cfg.value_group_size, out=v[:, :, quantized].unflatten(2, (nq, bs)))
+    k[:, :, S + nq * bs:] = read("float_k", s.float_table).flatten(2, 3)
+    v[:, :, S + nq * bs:] = read("float_v", s.float_table).flatten(2, 3)

@@ -205,7 +205,7 @@ def test_backend_choice():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
 def test_torch_decode_from_codes_matches_reference(case):
-    """The CPU fast path (dequantization folded into the products) vs dequantize-then-attend."""
+    """The CPU path (reused buffers, three products) vs dequantize-then-attend."""
     from qsinkkv.decode import decode_attention_torch
     bits, S, W, bs, group, R, Hkv, G, lengths = case
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
@@ -224,7 +224,7 @@ def test_decode_value_groups_across_the_halves(kernel_path, bits, head_dim, grou
     """Value groups that straddle the two halves of the channels (the int4 nibble planes and the
     kernel's halves: head_dim 12, group 4 puts channels 4-7 in one group across the halves), a group
     spanning both halves, and groups inside them (odd ones too, now that int4 packs the halves):
-    the folded CPU path and the kernel vs the reference."""
+    the CPU path and the kernel vs the reference."""
     from qsinkkv.decode import decode_attention_torch
     cfg = CacheConfig(sink_tokens=2, recent_tokens=17, bits=bits, block_size=4, value_group_size=group)
     g = torch.Generator().manual_seed(head_dim * group + bits)

@@ -18,8 +18,8 @@ def test_int4_pack_round_trip(shape, half, seed):
 
 
 def test_int4_nibble_order():
-    # byte j: channel j in the low nibble, channel j + D/2 in the high one (the kernels and the
-    # folded CPU path read each nibble plane as one half of the channels)
+    # byte j: channel j in the low nibble, channel j + D/2 in the high one (the kernels and
+    # quant.unpack_float read each nibble plane as one half of the channels)
     codes = torch.tensor([3, 10, 7, 12], dtype=torch.uint8)
     assert quant.pack(codes, 4).tolist() == [3 | (7 << 4), 10 | (12 << 4)]
 
@@ -59,6 +59,25 @@ def test_value_error_bound(bits, g_size, seed, scale_dtype):
     eps = torch.finfo(scale_dtype).eps
     bound = step / 2 + eps * (1 + (1 << bits)) * v.abs().amax() + 1e-6
     assert ((deq - v).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_into_a_strided_buffer(bits):
+    """``out=`` (the CPU decode fills slices of a reused buffer): the same values as a fresh tensor,
+    written through the slice's strides, nothing outside it touched; int4 codes unpack as ``unpack``."""
+    g = torch.Generator().manual_seed(bits)
+    k, v = torch.randn(2, 3, 4, 8, generator=g) * 5, torch.randn(2, 3, 4, 8, generator=g) * 5
+    kc, ks, kz = quant.quantize_key_blocks(k, bits, torch.float16)
+    vc, vs, vz = quant.quantize_values(v, bits, 4, torch.float16)
+    assert torch.equal(quant.unpack_float(kc, bits), quant.unpack(kc, bits).float())
+    for fresh, fill in ((quant.dequantize_key_blocks(kc, ks, kz, bits),
+                         lambda out: quant.dequantize_key_blocks(kc, ks, kz, bits, out=out)),
+                        (quant.dequantize_values(vc, vs, vz, bits, 4),
+                         lambda out: quant.dequantize_values(vc, vs, vz, bits, 4, out=out))):
+        buf = torch.full((2, 3, 4 + 3, 8), float("nan"))                  # rows 0 and 5-6 are not ours
+        assert fill(buf[:, :, 1:5]).data_ptr() == buf[:, :, 1:5].data_ptr()
+        assert torch.equal(buf[:, :, 1:5], fresh)
+        assert buf[:, :, 0].isnan().all() and buf[:, :, 5:].isnan().all()
 
 
 def test_constant_group_is_exact():

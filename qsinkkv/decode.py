@@ -7,14 +7,14 @@ One query token per sequence, at position ``seq_lens[b] - 1`` (the newest stored
 kernel, ``qsinkkv.kernels.decode_attention``).
 
 ``decode_attention_torch`` (the cache's CPU path for absolute positions) dequantizes every slot
-with the same ``gather_into`` into two float32 buffers that live across calls and layers, then
-attends in three large ops (scores, softmax, values), with the G query heads of a KV head as G
-rows over its keys and the visible set (built once per model step) as an additive mask. On the
-CPU a handful of large ops beat folding the scales into the products: at 2k tokens (D 64, 3 KV
-heads, 2 cores) the folded int4 path spent most of its time in 99 batched
-``[3, 32] @ [32, 64]`` products, one per block, and in ~60 small ops per layer. Not PyTorch's
-fused SDPA: its CPU kernel gives a row of a batch a result a rounding apart from the same row
-alone, and these products are bit-identical either way.
+with the same ``gather_into`` into one float32 buffer that lives across calls and layers (the
+keys, then the values), and attends in three large ops (scores, softmax, values), with the G
+query heads of a KV head as G rows over its keys and the visible set (built once per model
+step) as an additive mask. On the CPU a handful of large ops beat folding the scales into the
+products: at 2k tokens (D 64, 3 KV heads, 2 cores) the folded int4 path spent most of its time
+in 99 batched ``[3, 32] @ [32, 64]`` products, one per block, and in ~60 small ops per layer.
+Not PyTorch's fused SDPA: its CPU kernel gives a row of a batch a result a rounding apart from
+the same row alone, and these products are bit-identical either way.
 Absolute contract only: under ``cache_index`` every key is rotated by its own index; the cache
 uses the reference there.
 """
@@ -37,13 +37,12 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
 
     Works head-major, as the pools are stored: keys and values ``[Hkv, B, N, D]``, queries
     ``[Hkv, B, G, D]``, so the G query heads that share a KV head are G rows of one product and
-    no key is repeated. The buffers hold one layer's window in float32 while it is read (the
-    transient cost of this path; the Triton kernel has none)."""
+    no key is repeated. The buffer holds one layer's keys, then its values, in float32 (the
+    transient memory of this path; the Triton kernel needs none)."""
     Hkv, B, D, N = layer.num_kv_heads, layer.batch_size, layer.head_dim, layer.layout.num_slots
     G = q.shape[1] // Hkv
-    k = _workspace("k", (Hkv, B, N, D), q.device)
-    v = _workspace("v", (Hkv, B, N, D), q.device)
-    gather_into(layer, k, v)
+    buf = _workspace((Hkv, B, N, D), q.device)  # the keys, then the values: one buffer stays in cache
+    k = gather_into(layer, "k", buf)
     qh = q.float().view(B, Hkv, G, D).transpose(0, 1)                           # [Hkv, B, G, D]
     bias = layer.layout.visible_bias(layer.seq_lens, q.device).view(1, B, 1, N)  # 0 seen, -inf not
     scale = D ** -0.5 if scale is None else scale
@@ -53,6 +52,7 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
     else:  # the sink logit: one more softmax term, with no value
         sl = sink_logits.float().view(Hkv, 1, G, 1).expand(Hkv, B, G, 1)
         p = torch.softmax(torch.cat((scores, sl), dim=-1), dim=-1)[..., :-1]
+    v = gather_into(layer, "v", buf)                                            # the keys are spent
     out = torch.matmul(p, v)                                                    # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(B, Hkv * G, D).to(q.dtype)
 
@@ -60,14 +60,14 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
 _WORKSPACE = threading.local()  # per thread: two threads decoding at once must not share a buffer
 
 
-def _workspace(name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
-    """A float32 buffer reused across calls and layers (one per name, thread and device; reallocated
-    when the shape changes): a window's worth of floats allocated afresh at every layer of every
-    step costs more in page faults than filling it."""
+def _workspace(shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """A float32 buffer reused across calls and layers (one per thread and device; reallocated when
+    the shape changes): a window's worth of floats allocated afresh at every layer of every step
+    costs more in page faults than filling it."""
     buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
-    buf = buffers.get((name, device))
+    buf = buffers.get(device)
     if buf is None or buf.shape != shape:
-        buffers[(name, device)] = buf = torch.empty(shape, dtype=torch.float32, device=device)
+        buffers[device] = buf = torch.empty(shape, dtype=torch.float32, device=device)
     return buf
 
 

@@ -176,25 +176,30 @@ def gather(storage: LayerStorage, dtype: torch.dtype) -> tuple[Tensor, Tensor, T
     their positions ``[B, N]`` (-1: empty)."""
     s = storage
     shape = (s.num_kv_heads, s.batch_size, s.layout.num_slots, s.head_dim)
-    k, v = (torch.empty(shape, dtype=torch.float32, device=s.device) for _ in range(2))
-    gather_into(s, k, v)
+    k, v = (gather_into(s, part, torch.empty(shape, dtype=torch.float32, device=s.device)) for part in "kv")
     positions = torch.cat(s.layout.slot_positions(s.seq_lens.to(s.device)), dim=1)
     return k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), positions
 
 
-def gather_into(storage: LayerStorage, k: Tensor, v: Tensor) -> None:
-    """Dequantize every slot into float32 ``k, v [Hkv, B, N, D]`` (head-major, as the pools): the
-    sinks, then the quantized ring, then the float ring, the slot order of ``slot_positions``."""
+def gather_into(storage: LayerStorage, part: str, out: Tensor) -> Tensor:
+    """Dequantize every key (``part="k"``) or value (``"v"``) slot into float32 ``out [Hkv, B, N, D]``
+    (head-major, as the pools): the sinks, then the quantized ring, then the float ring, the slot
+    order of ``slot_positions``. Returns ``out``."""
     s, cfg = storage, storage.layout.config
     S, bs, nq = cfg.sink_tokens, cfg.block_size, s.layout.quant_slots
     read = lambda name, table: by_table(getattr(s, name), table, s.dense)  # noqa: E731
-    k[:, :, :S] = read("sink_k", s.sink_table)
-    v[:, :, :S] = read("sink_v", s.sink_table)
+    sink, codes, scale, zero, ring = _PARTS[part]
+    out[:, :, :S] = read(sink, s.sink_table)
     if nq:
-        t, quantized = s.quant_table, slice(S, S + nq * bs)
-        quant.dequantize_key_blocks(read("key_codes", t), read("key_scale", t), read("key_zero", t), cfg.bits,
-                                    out=k[:, :, quantized].unflatten(2, (nq, bs)))
-        quant.dequantize_values(read("value_codes", t), read("value_scale", t), read("value_zero", t), cfg.bits,
-                                cfg.value_group_size, out=v[:, :, quantized].unflatten(2, (nq, bs)))
-    k[:, :, S + nq * bs:] = read("float_k", s.float_table).flatten(2, 3)
-    v[:, :, S + nq * bs:] = read("float_v", s.float_table).flatten(2, 3)
+        t, blocks = s.quant_table, out[:, :, S:S + nq * bs].unflatten(2, (nq, bs))
+        if part == "k":
+            quant.dequantize_key_blocks(read(codes, t), read(scale, t), read(zero, t), cfg.bits, out=blocks)
+        else:
+            quant.dequantize_values(read(codes, t), read(scale, t), read(zero, t), cfg.bits, cfg.value_group_size,
+                                    out=blocks)
+    out[:, :, S + nq * bs:] = read(ring, s.float_table).flatten(2, 3)
+    return out
+
+
+_PARTS = {"k": ("sink_k", "key_codes", "key_scale", "key_zero", "float_k"),
+          "v": ("sink_v", "value_codes", "value_scale", "value_zero", "float_v")}

@@ -134,6 +134,23 @@ class LayerStorage:
         return replace(self, sink_table=self.sink_table[b:b + 1], float_table=self.float_table[b:b + 1],
                        quant_table=self.quant_table[b:b + 1], seq_lens=self.seq_lens[b:b + 1], dense=False)
 
+    def part(self, heads: slice, rows: slice) -> LayerStorage:
+        """KV heads ``heads`` of sequences ``rows`` (contiguous ranges), for reading: views of the pools
+        (head-major, so a range of heads is one slice; a dense storage stays dense, its sequences'
+        blocks being one run per head) and of the tables and lengths."""
+        if not self.dense:
+            return replace(self, **{name: getattr(self, name)[heads] for name in STORAGE_TENSORS},
+                           sink_table=self.sink_table[rows], float_table=self.float_table[rows],
+                           quant_table=self.quant_table[rows], seq_lens=self.seq_lens[rows])
+        B, n, L = self.batch_size, len(range(*rows.indices(self.batch_size))), self.layout
+        per_row = {**dict.fromkeys(SINK_TENSORS, 1), **dict.fromkeys(FLOAT_TENSORS, L.float_slots),
+                   **dict.fromkeys(QUANT_TENSORS, L.quant_slots)}
+        pools = {name: getattr(self, name).unflatten(1, (B, k))[heads, rows].flatten(1, 2)
+                 for name, k in per_row.items()}
+        table = lambda k: torch.arange(n * k, dtype=torch.int64, device=self.device).view(n, k)  # noqa: E731
+        return replace(self, **pools, sink_table=table(1)[:, 0], float_table=table(L.float_slots),
+                       quant_table=table(L.quant_slots), seq_lens=self.seq_lens[rows])
+
     def select(self, index: Tensor) -> None:
         """Keep, reorder or repeat sequences (``index [B']`` of rows) of a dense storage: their blocks are
         copied into the new order, so the tables stay the identity."""

@@ -309,3 +309,31 @@ def test_torch_decode_row_in_a_batch_is_bitwise_the_row_alone(bits):
         ref = decode_attention_reference(q, layer)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
         cache.append(0, torch.randn(3, 3, 1, 64, generator=g), torch.randn(3, 3, 1, 64, generator=g))
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "tables"])
+def test_torch_decode_in_chunks_of_heads_and_rows(bits, dense, monkeypatch):
+    """The CPU decode op's chunks of (KV heads, sequences) -- one head of one row, rows 2 + 1, heads
+    2 + 1 -- on a dense storage and through block tables, with and without sink logits: bitwise
+    equal to one chunk, and to the reference at 1e-5."""
+    import dataclasses
+
+    from qsinkkv import decode
+    from qsinkkv.decode import decode_attention_reference
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=30, bits=bits, block_size=4, residual_tokens=2, value_group_size=8)
+    g = torch.Generator().manual_seed(11 + bits)
+    cache = SinkQuantCache(cfg, 1, 3, 3, 16, dtype=torch.float32, backend="torch")
+    cache.append(0, torch.randn(3, 3, 41, 16, generator=g), torch.randn(3, 3, 41, 16, generator=g),
+                 lengths=[41, 9, 26])
+    layer = cache.layers[0] if dense else dataclasses.replace(cache.layers[0], dense=False)
+    q, logits = torch.randn(3, 6, 16, generator=g), torch.randn(6, generator=g)
+    one = cache.layout.num_slots * 16 * 4                              # buffer bytes of one head of one row
+    for sinks in (None, logits):
+        whole = decode.decode_attention_torch(q, layer, sink_logits=sinks)
+        ref = decode_attention_reference(q, cache.layers[0], sink_logits=sinks)
+        assert ((whole - ref).norm() / ref.norm()).item() < 1e-5
+        for budget in (1, 2 * one, 3 * 2 * one):
+            monkeypatch.setattr(decode, "BUFFER_BYTES", budget)
+            assert torch.equal(decode.decode_attention_torch(q, layer, sink_logits=sinks), whole), budget
+        monkeypatch.undo()

@@ -29,10 +29,10 @@ from .attention import sink_window_attention
 from .rope import Rotary
 from .storage import LayerStorage, gather, gather_into
 
-# The float32 buffer of one chunk of (KV heads, sequences). A window that fits the CPU's caches is
-# filled and read while it is still there: at L 4096, B 4, llama shape (D 128, 8 KV heads) int4 ran
-# 36 ms in chunks of one head (8 MB) against 65 ms in one 67 MB buffer; below a few MB the count of
-# small ops starts to cost (2 AMD cores, 32 MB L3).
+# The float32 buffer of one chunk of (KV heads, sequences): small enough to stay in the last-level
+# cache while it is filled and read (one buffer for a whole llama-shaped layer at L 4096, B 4 is
+# 67 MB, and ran far slower than chunks of one head on 2 AMD cores with a 32 MB L3), large enough
+# that the chunks' small ops do not add up.
 BUFFER_BYTES = 8 << 20
 
 

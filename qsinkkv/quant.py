@@ -91,7 +91,7 @@ def unpack_float(packed: Tensor, bits: int, out: Tensor | None = None) -> Tensor
         out = torch.empty(*packed.shape[:-1], D, dtype=torch.float32, device=packed.device)
     if bits == 8:
         return out.copy_(packed)
-    # (the bitwise ops' own out= into float runs ~4x slower on the CPU than a uint8 result and a copy)
+    # (the bitwise ops' own out= into float ran several times slower on the CPU than a uint8 result and a copy)
     out[..., :D // 2] = packed & 0xF
     out[..., D // 2:] = packed >> 4
     return out
@@ -129,7 +129,7 @@ def dequantize_values(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, gro
     """Inverse of ``quantize_values``: float32 ``[..., T, D]`` (into ``out`` when given)."""
     out = unpack_float(codes, bits, out)
     grouped = out.unflatten(-1, (out.shape[-1] // group_size, group_size))
-    # (two passes: addcmul with a scale broadcast along the last axis runs ~5x slower on the CPU)
+    # (two passes: addcmul with a scale broadcast along the last axis ran several times slower on the CPU)
     grouped.mul_(scale.float().unsqueeze(-1)).add_(zero.float().unsqueeze(-1))
     return out
 

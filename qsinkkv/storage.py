@@ -192,10 +192,14 @@ def gather(storage: LayerStorage, dtype: torch.dtype) -> tuple[Tensor, Tensor, T
     """Every slot, dequantized (the reference read): k, v ``[B, Hkv, N, D]`` in ``dtype`` and
     their positions ``[B, N]`` (-1: empty)."""
     s = storage
-    shape = (s.num_kv_heads, s.batch_size, s.layout.num_slots, s.head_dim)
-    k, v = (gather_into(s, part, torch.empty(shape, dtype=torch.float32, device=s.device)) for part in "kv")
+    buf = torch.empty(s.num_kv_heads, s.batch_size, s.layout.num_slots, s.head_dim, dtype=torch.float32,
+                      device=s.device)
+    k = gather_into(s, "k", buf).transpose(0, 1).to(dtype)
+    if dtype == torch.float32:  # k is the buffer itself
+        buf = torch.empty_like(buf)
+    v = gather_into(s, "v", buf).transpose(0, 1).to(dtype)  # (other dtypes: one float32 buffer at a time)
     positions = torch.cat(s.layout.slot_positions(s.seq_lens.to(s.device)), dim=1)
-    return k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype), positions
+    return k, v, positions
 
 
 def gather_into(storage: LayerStorage, part: str, out: Tensor) -> Tensor:

@@ -208,7 +208,7 @@ def test_left_padded_batch_equals_each_prompt_alone(lm, lm64, bits, positions):
                       positions=positions, **store)
     prompts = [ids[0, 100:105], ids[0, 200:219], ids[0, 300:311]]
     batch, mask = _left_padded(tok, prompts)
-    run = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, output_logits=True,
+    run = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, output_logits=True,
                return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
     with torch.no_grad():
         got = model.generate(batch, attention_mask=mask, cache=QSinkKVCache(cfg, model.config), **run)

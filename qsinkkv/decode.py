@@ -70,7 +70,8 @@ def _attend(qh: Tensor, layer: LayerStorage, bias: Tensor, sink_logits: Tensor |
     ``bias [b, N]``: ``[h, b, G, D]`` float32."""
     h, b, G, D = qh.shape
     N = bias.shape[-1]
-    buf = _workspace(h * b * N * D, qh.device)[:h * b * N * D].view(h, b, N, D)  # the keys, then the values
+    numel = h * b * N * D
+    buf = _workspace(numel, qh.device)[:numel].view(h, b, N, D)                 # the keys, then the values
     scores = torch.matmul(qh, gather_into(layer, "k", buf).mT).add_(bias.view(1, b, 1, N))  # [h, b, G, N]
     if sink_logits is None:
         p = torch.softmax(scores, dim=-1)

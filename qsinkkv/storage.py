@@ -71,10 +71,7 @@ class LayerStorage:
         B = batch_size
         storage = cls.allocate_pool(layout, num_kv_heads, head_dim, device, sink_pages=B,
                                     float_blocks=B * layout.float_slots, quant_blocks=B * layout.quant_slots)
-        arange = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
-        storage.sink_table = arange(B)
-        storage.float_table = arange(B * layout.float_slots).view(B, layout.float_slots)
-        storage.quant_table = arange(B * layout.quant_slots).view(B, layout.quant_slots)
+        storage.sink_table, storage.float_table, storage.quant_table = _identity_tables(layout, B, device)
         storage.seq_lens = torch.zeros(B, dtype=torch.int64)
         storage.dense = True
         return storage
@@ -142,14 +139,11 @@ class LayerStorage:
             return replace(self, **{name: getattr(self, name)[heads] for name in STORAGE_TENSORS},
                            sink_table=self.sink_table[rows], float_table=self.float_table[rows],
                            quant_table=self.quant_table[rows], seq_lens=self.seq_lens[rows])
-        B, n, L = self.batch_size, len(range(*rows.indices(self.batch_size))), self.layout
-        per_row = {**dict.fromkeys(SINK_TENSORS, 1), **dict.fromkeys(FLOAT_TENSORS, L.float_slots),
-                   **dict.fromkeys(QUANT_TENSORS, L.quant_slots)}
-        pools = {name: getattr(self, name).unflatten(1, (B, k))[heads, rows].flatten(1, 2)
-                 for name, k in per_row.items()}
-        table = lambda k: torch.arange(n * k, dtype=torch.int64, device=self.device).view(n, k)  # noqa: E731
-        return replace(self, **pools, sink_table=table(1)[:, 0], float_table=table(L.float_slots),
-                       quant_table=table(L.quant_slots), seq_lens=self.seq_lens[rows])
+        B, n = self.batch_size, len(range(*rows.indices(self.batch_size)))
+        pools = {name: _per_sequence(getattr(self, name), B)[heads, rows].flatten(1, 2) for name in STORAGE_TENSORS}
+        sink_table, float_table, quant_table = _identity_tables(self.layout, n, self.device)
+        return replace(self, **pools, sink_table=sink_table, float_table=float_table, quant_table=quant_table,
+                       seq_lens=self.seq_lens[rows])
 
     def select(self, index: Tensor) -> None:
         """Keep, reorder or repeat sequences (``index [B']`` of rows) of a dense storage: their blocks are
@@ -159,13 +153,8 @@ class LayerStorage:
         index = index.to(self.device)
         B, Bn = self.batch_size, index.shape[0]
         for name in STORAGE_TENSORS:
-            pool = getattr(self, name)
-            per_row = pool.view(pool.shape[0], B, pool.shape[1] // B, *pool.shape[2:])
-            setattr(self, name, per_row.index_select(1, index).flatten(1, 2).contiguous())
-        arange = lambda n: torch.arange(n, dtype=torch.int64, device=self.device)  # noqa: E731
-        self.sink_table = arange(Bn)
-        self.float_table = arange(Bn * self.layout.float_slots).view(Bn, -1)
-        self.quant_table = arange(Bn * self.layout.quant_slots).view(Bn, -1)
+            setattr(self, name, _per_sequence(getattr(self, name), B).index_select(1, index).flatten(1, 2).contiguous())
+        self.sink_table, self.float_table, self.quant_table = _identity_tables(self.layout, Bn, self.device)
         self.seq_lens = self.seq_lens.index_select(0, index.cpu())
 
     def clear(self, rows: Tensor) -> None:
@@ -177,6 +166,17 @@ class LayerStorage:
             blocks = table[table >= 0]
             for name in names:
                 getattr(self, name).index_fill_(1, blocks, 0)
+
+
+def _per_sequence(pool: Tensor, batch_size: int) -> Tensor:
+    """A dense storage's pool ``[Hkv, B * n, ...]`` as ``[Hkv, B, n, ...]``: sequence b's n blocks."""
+    return pool.view(pool.shape[0], batch_size, pool.shape[1] // batch_size, *pool.shape[2:])
+
+
+def _identity_tables(layout: WindowLayout, batch_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """A dense storage's sink, float and quantized tables: sequence b owns blocks ``b * n .. b * n + n - 1``."""
+    arange = lambda n: torch.arange(batch_size * n, dtype=torch.int64, device=device).view(batch_size, n)  # noqa: E731
+    return arange(1)[:, 0], arange(layout.float_slots), arange(layout.quant_slots)
 
 
 def by_table(pool: Tensor, table: Tensor, dense: bool) -> Tensor:

@@ -10,10 +10,17 @@ holds at the end. The caches decode in turn, one step each (interleaved), so tha
 slows down for a while slows them alike. ``--capacity`` sets QSinkKVCache's capacity (4 sinks + the rest recent);
 by default it holds the whole stream, so every cache attends over the same tokens.
 Runs on the default model in float32 on CPU, or on CUDA with --device cuda.
+
+On the CPU a second time is split out: ``attn ms`` is what a step spends in every layer's cache
+update and attention call (the part a cache changes: DynamicCache's concatenation and SDPA, the
+quantized caches' writes, checks and attention), with its own ratio to DynamicCache; the rest of
+the step (projections, MLP, norms, RoPE) is the same work for every cache. It moves less with a
+noisy host than the whole step does.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pydoc_data.topics
 import statistics
@@ -21,6 +28,7 @@ import time
 
 import torch
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from qsinkkv import CacheConfig
 from qsinkkv.hf import QSinkKVCache
@@ -49,14 +57,30 @@ def prefill(model, ids, cache):
         return model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
 
+_IN_ATTENTION = [0.0]  # seconds of the current step spent in cache updates and attention calls
+
+
+def timed(fn):
+    """``fn`` with its time added to ``_IN_ATTENTION`` (wall clock: on a GPU it would count launches only)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _IN_ATTENTION[0] += time.perf_counter() - t0
+    return wrapper
+
+
 def step_s(model, nxt, cache):
-    """One greedy decode step: (seconds, next token)."""
+    """One greedy decode step: (seconds, seconds in cache updates and attention, next token)."""
     with torch.no_grad():
+        _IN_ATTENTION[0] = 0.0
         t0 = time.perf_counter()
         nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         if nxt.is_cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - t0, nxt
+        return time.perf_counter() - t0, _IN_ATTENTION[0], nxt
 
 
 def main():
@@ -77,10 +101,15 @@ def main():
     except ImportError:
         has_quanto = False
     rows = []
+    split = a.device == "cpu"
+    if split:
+        for impl in ("sdpa", "qsinkkv"):  # the attention functions the model looks up at every call
+            ALL_ATTENTION_FUNCTIONS[impl] = timed(ALL_ATTENTION_FUNCTIONS[impl])
     print(f"# {torch.get_num_threads()} threads, device {a.device}, float32 model; ms per decoded token (median "
-          f"of {a.new}); 'x dyn' = time / DynamicCache time")
-    print("| context | cache | ms/token | x dyn | cache bytes |")
-    print("|---:|---|---:|---:|---:|")
+          f"of {a.new}); 'x dyn' = time / DynamicCache time" + ("; 'attn ms': of which in cache updates and "
+                                                              "attention calls (every layer)" if split else ""))
+    print("| context | cache | ms/token | x dyn | attn ms | attn x dyn | cache bytes |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for ctx in a.contexts:
         ids = all_ids[:, :ctx]
         cap = a.capacity or ctx + a.new + 1
@@ -98,19 +127,29 @@ def main():
         for name, impl, make in configs:
             model.set_attn_implementation(impl)
             cache = make()
-            runs.append(dict(name=name, impl=impl, cache=cache, nxt=prefill(model, ids, cache), times=[]))
+            nxt = prefill(model, ids, cache)
+            if split:
+                cache.update = timed(cache.update)  # DynamicCache's concatenation, quanto's quantization
+            runs.append(dict(name=name, impl=impl, cache=cache, nxt=nxt, times=[], attn=[]))
         for _ in range(a.new):
             for r in runs:
                 model.set_attn_implementation(r["impl"])
-                dt, r["nxt"] = step_s(model, r["nxt"], r["cache"])
+                dt, attn, r["nxt"] = step_s(model, r["nxt"], r["cache"])
                 r["times"].append(dt)
+                r["attn"].append(attn)
         base = 1e3 * statistics.median(runs[0]["times"])
+        base_attn = 1e3 * statistics.median(runs[0]["attn"])
         for r in runs:
             ms = 1e3 * statistics.median(r["times"])
             row = dict(context=ctx, cache=r["name"], ms_per_token=ms, vs_dynamic=ms / base,
                        bytes=cache_bytes(r["cache"]))
+            attn = "- | -"
+            if split:
+                row["attn_ms_per_token"] = 1e3 * statistics.median(r["attn"])
+                row["attn_vs_dynamic"] = row["attn_ms_per_token"] / base_attn
+                attn = f"{row['attn_ms_per_token']:.1f} | {row['attn_vs_dynamic']:.2f}"
             rows.append(row)
-            print(f"| {ctx:,} | {r['name']} | {ms:.1f} | {ms / base:.2f} | {row['bytes']:,} |", flush=True)
+            print(f"| {ctx:,} | {r['name']} | {ms:.1f} | {ms / base:.2f} | {attn} | {row['bytes']:,} |", flush=True)
         del runs
 
     if a.json:

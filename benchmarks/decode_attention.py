@@ -10,8 +10,10 @@ times / ours. On a GPU, times are medians of
 ``triton.testing.do_bench`` in one run; GB/s counts the bytes our kernel must read (the
 visible blocks' codes, scales and zeros, the bf16 sinks and filling block, from
 ``qsinkkv.layout``), and ``%copy`` compares it with this device's copy bandwidth measured
-in the same run. On a CPU it times the PyTorch reference path of the cache (dequantize +
-dense attention) against SDPA, with wall-clock medians.
+in the same run. On a CPU it times both CPU decode ops against SDPA, with wall-clock medians:
+the C one (``qsinkkv.decode_c``, the "c" backend's, what ``auto`` runs on a CPU: ``intN ms``)
+and the PyTorch one (``qsinkkv.decode.decode_attention_torch``, the "torch" backend's:
+``intN torch ms``).
 """
 from __future__ import annotations
 
@@ -122,7 +124,10 @@ def wall_ms(fn, reps):
 
 
 def bench_cpu(args):
-    print(f"# CPU, {torch.get_num_threads()} threads: the decode op the cache runs on the CPU "
+    from qsinkkv import decode_c
+    c_ok, why = decode_c.available()
+    print(f"# CPU, {torch.get_num_threads()} threads: the decode ops of the 'c' backend (qsinkkv.decode_c"
+          f"{'' if c_ok else ': not available, ' + why}) and of the 'torch' backend "
           "(qsinkkv.decode.decode_attention_torch); wall-clock medians")
     print_header(gpu=False)
     rows = []
@@ -140,7 +145,9 @@ def bench_cpu(args):
                 for bits in (16, 8, 4):
                     cache, _, _ = make_cache(bits, B, L, H, Hkv, D, "cpu", "torch")
                     layer, q3 = cache.layers[0], q[:, :, 0]
-                    row[f"int{bits}_ms"] = wall_ms(lambda: cache.ops.decode(q3, layer), args.reps)
+                    row[f"int{bits}_torch_ms"] = wall_ms(lambda: cache.ops.decode(q3, layer), args.reps)
+                    row[f"int{bits}_ms"] = (wall_ms(lambda: decode_c.decode_attention_c(q3, layer), args.reps)
+                                            if c_ok else None)
                 rows.append(row)
                 print_row(row, gpu=False)
     return dict(device="cpu", threads=torch.get_num_threads(), rows=rows)
@@ -150,7 +157,7 @@ def print_header(gpu):
     cols = ["shape", "L", "B", "sdpa ms", "sdpa-gqa ms"]
     for bits in (16, 8, 4):
         cols += [f"int{bits} ms", f"int{bits} x sdpa"] + ([f"int{bits} x gqa"] if gpu and bits != 16 else [])
-        cols += [f"int{bits} GB/s", f"int{bits} %copy"] if gpu else []
+        cols += [f"int{bits} GB/s", f"int{bits} %copy"] if gpu else [f"int{bits} torch ms"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---:|" * len(cols))
 
@@ -160,7 +167,9 @@ def print_row(r, gpu):
              "-" if r["sdpa_gqa_ms"] is None else f"{r['sdpa_gqa_ms']:.3f}"]
     for bits in (16, 8, 4):
         ms = r[f"int{bits}_ms"]
-        cells += [f"{ms:.3f}", f"{r['sdpa_ms'] / ms:.2f}"]
+        cells += ["-", "-"] if ms is None else [f"{ms:.3f}", f"{r['sdpa_ms'] / ms:.2f}"]
+        if not gpu:
+            cells.append(f"{r[f'int{bits}_torch_ms']:.3f}")
         if gpu and bits != 16:
             cells.append("-" if r["sdpa_gqa_ms"] is None else f"{r['sdpa_gqa_ms'] / ms:.2f}")
         if gpu:

@@ -1,14 +1,17 @@
 """Time per generated token and cache bytes: QSinkKVCache (bits 16/8/4) vs DynamicCache vs
 transformers' QuantizedCache (quanto backend, when optimum-quanto is installed).
 
-    python benchmarks/generate.py [--contexts 512 2048 8192] [--new 32] [--capacity N] [--json out.json]
+    python benchmarks/generate.py [--contexts 512 2048 8192] [--new 32] [--capacity N] [--backends auto]
+                                  [--json out.json]
 
 For each context length, a prompt of that many tokens of real text (CPython's pydoc topics)
 is prefilled, then ``--new`` tokens are decoded greedily one forward at a time; the table
 gives the median time per decoded token, its ratio to DynamicCache, and the bytes each cache
 holds at the end. The caches decode in turn, one step each (interleaved), so that a host that
 slows down for a while slows them alike. ``--capacity`` sets QSinkKVCache's capacity (4 sinks + the rest recent);
-by default it holds the whole stream, so every cache attends over the same tokens.
+by default it holds the whole stream, so every cache attends over the same tokens. ``--backends``:
+the QSinkKVCache backends to time (``auto``, ``c``, ``torch``, ``triton``), each row naming the one
+that ran.
 Runs on the default model in float32 on CPU, or on CUDA with --device cuda.
 
 On the CPU a second time is split out: ``attn ms`` is what a step spends in every layer's cache
@@ -89,6 +92,7 @@ def main():
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--capacity", type=int)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "c", "torch", "triton"])
     ap.add_argument("--json")
     a = ap.parse_args()
     model, tok = load_model(dtype=torch.float32, device=a.device)
@@ -117,10 +121,11 @@ def main():
         if has_quanto:
             configs.append(("QuantizedCache quanto int4", "sdpa",
                             lambda: QuantizedCache(backend="quanto", config=model.config, nbits=4)))
-        for bits in (16, 8, 4):
-            cfg = CacheConfig(sink_tokens=4, recent_tokens=cap - 4, bits=bits, block_size=64, value_group_size=64)
-            configs.append((f"QSinkKVCache int{bits} (C={cap})", "qsinkkv",
-                            lambda cfg=cfg: QSinkKVCache(cfg, model.config)))
+        for backend in a.backends:
+            for bits in (16, 8, 4):
+                cfg = CacheConfig(sink_tokens=4, recent_tokens=cap - 4, bits=bits, block_size=64, value_group_size=64)
+                configs.append((f"QSinkKVCache int{bits} (C={cap}", "qsinkkv",
+                                lambda cfg=cfg, backend=backend: QSinkKVCache(cfg, model.config, backend=backend)))
         # prefill every cache, then decode them in turn, one step each: a machine that slows
         # down for a while slows every cache alike, so the ratios hold on a noisy host
         runs = []
@@ -128,6 +133,8 @@ def main():
             model.set_attn_implementation(impl)
             cache = make()
             nxt = prefill(model, ids, cache)
+            if isinstance(cache, QSinkKVCache):  # the backend that ran
+                name = f"{name}, {cache.inner.backend})"
             if split:
                 cache.update = timed(cache.update)  # DynamicCache's concatenation, quanto's quantization
             runs.append(dict(name=name, impl=impl, cache=cache, nxt=nxt, times=[], attn=[]))

@@ -5,6 +5,7 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   op                 reference                                   fast
   quantize blocks    qsinkkv.quant                               qsinkkv.kernels.quantize (bit-identical)
   decode attention   decode.decode_attention_reference           decode.decode_attention_torch (CPU);
+                                                                 decode_c.decode_attention_c (CPU, C);
                                                                  qsinkkv.kernels.decode_attention (Triton)
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
@@ -23,27 +24,31 @@ from types import ModuleType
 
 import torch
 
-from . import quant
+from . import decode_c, quant
 from .decode import decode_attention_reference, decode_attention_torch
 from .prefill import prefill_attention_reference, prefill_attention_torch
 from .rope import Rotary
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "c", "triton")
 
 
 @dataclass(frozen=True)
 class Ops:
-    backend: str          # "torch" or "triton"
+    backend: str          # "torch", "c" or "triton"
     quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
 
 
 def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None) -> Ops:
-    """backend: "torch", "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), or "auto"
-    (Triton on CUDA when it is installed and head_dim % 4 == 0, else torch). ``rotary`` (the
-    ``cache_index`` contract) is bound into the ops here."""
-    backend = resolve_backend(backend, device, head_dim)
+    """backend: "torch" (PyTorch ops), "c" (the torch backend with decode attention in C: CPU tensors,
+    absolute positions, a C compiler on the machine), "triton" (CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1), or "auto" (Triton on CUDA when it is installed and head_dim % 4 == 0; on the
+    CPU "c" where it applies and compiles, else torch). ``rotary`` (the ``cache_index`` contract) is
+    bound into the ops here."""
+    backend = resolve_backend(backend, device, head_dim, rotary)
+    if backend == "c":
+        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch)
     if backend == "triton":
         from . import kernels
         return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary),
@@ -56,9 +61,16 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
                functools.partial(prefill_attention_reference, rotary=rotary))
 
 
-def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
+def resolve_backend(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None = None) -> str:
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        raise ValueError(f"backend must be 'auto', 'torch', 'c' or 'triton', got {backend!r}")
+    if backend == "c" or (backend == "auto" and device.type == "cpu"):
+        why = _why_not_c(device, head_dim, rotary)
+        if why is None:
+            return "c"
+        if backend == "c":
+            raise ValueError(f"backend='c' {why}")
+        return "torch"
     try:
         import triton  # noqa: F401
         has_triton = True
@@ -75,3 +87,15 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
         if head_dim % 4:
             raise ValueError(f"backend='triton' needs head_dim % 4 == 0, got head_dim={head_dim}")
     return backend
+
+
+def _why_not_c(device: torch.device, head_dim: int, rotary: Rotary | None) -> str | None:
+    """Why the C decode cannot serve this cache, or None."""
+    if device.type != "cpu":
+        return f"needs CPU tensors, got device={device}"
+    if rotary is not None:
+        return "decodes absolute positions; positions='cache_index' decodes with backend='torch'"
+    if head_dim > decode_c.MAX_HEAD_DIM:
+        return f"needs head_dim <= {decode_c.MAX_HEAD_DIM}, got head_dim={head_dim}"
+    ok, why = decode_c.available()
+    return None if ok else f"could not build its C library ({why})"

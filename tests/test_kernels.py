@@ -195,9 +195,11 @@ def test_decode_bad_arguments():
 def test_backend_choice():
     cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=2)
     auto = SinkQuantCache(cfg, 1, 1, 1, D, backend="auto", device=DEVICE)
-    assert auto.backend == ("triton" if DEVICE == "cuda" else "torch")
+    # on the CPU: the C decode where it builds (tests/test_decode_c.py), else the PyTorch ops
+    from qsinkkv import decode_c
+    assert auto.backend == ("triton" if DEVICE == "cuda" else "c" if decode_c.available()[0] else "torch")
     assert SinkQuantCache(cfg, 1, 1, 1, D, backend="triton", device=DEVICE).backend == "triton"
-    with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
+    with pytest.raises(ValueError, match="backend must be 'auto', 'torch', 'c' or 'triton', got 'cuda'"):
         SinkQuantCache(cfg, 1, 1, 1, D, backend="cuda")
     with pytest.raises(ValueError, match="head_dim % 4 == 0"):
         SinkQuantCache(cfg, 1, 1, 1, 6, backend="triton", device=DEVICE)

@@ -1,0 +1,182 @@
+"""Decode attention over a ``LayerStorage`` in C on the CPU, the codes dequantized inside the dot
+products (``decode_c.c``): the "c" backend's decode, what ``backend="auto"`` runs on a CPU. Same
+contract as ``decode.decode_attention_torch`` (absolute positions, ``q [B, H, D]`` -> ``[B, H, D]``);
+its reference is ``decode.decode_attention_reference``.
+
+Why C: on the CPU the PyTorch path writes the whole window into a float32 buffer at every layer of
+every step and reads it back (several passes over 4 bytes per element, and ~80 ops per call); this
+reads each code once (0.5 or 1 byte per element) in one call. The file is compiled once per machine
+with the system C compiler (``cc``, or ``$CC``; ``-O3 -march=native``, or without ``-march=native``
+where the compiler refuses it) into ``$QSINKKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qsinkkv``, else
+``~/.cache/qsinkkv``, and loaded with ctypes. ``available()`` says whether that worked and, if not,
+why (``backend="auto"`` then takes the PyTorch path). ``QSINKKV_C=0`` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .storage import LayerStorage
+
+_SOURCE = Path(__file__).with_name("decode_c.c")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_HEAD_DIM = 512  # decode_c.c's fixed arrays (MAX_D)
+
+
+class _Args(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("Hkv", "B", "G", "D", "S", "bs", "quant_slots", "float_slots", "bits",
+                                               "groups", "sink_pages", "float_blocks", "quant_blocks")]
+                + [(n, ctypes.c_void_p) for n in ("sink_k", "sink_v", "float_k", "float_v", "key_scale", "key_zero",
+                                                  "value_scale", "value_zero", "key_codes", "value_codes")]
+                + [(n, ctypes.c_int64) for n in ("sink_dtype", "window_dtype", "scale_dtype")]
+                + [(n, ctypes.c_void_p) for n in ("sink_table", "float_table", "quant_table", "q", "bias",
+                                                  "sink_logits")]
+                + [("scale", ctypes.c_float), ("out", ctypes.c_void_p)])
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None
+
+
+def available() -> tuple[bool, str]:
+    """(True, path of the library) once compiled and loaded, else (False, why not). Compiles on the
+    first call (about a second) and remembers the answer."""
+    global _lib, _why_not
+    with _lock:
+        if _lib is None and _why_not is None:
+            try:
+                _lib = _load()
+            except Exception as e:  # no compiler, a failed build, a library that does not load
+                _why_not = f"{type(e).__name__}: {e}"
+    return (True, _lib._name) if _lib is not None else (False, _why_not)
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get("QSINKKV_C", "1") == "0":
+        raise RuntimeError("turned off by QSINKKV_C=0")
+    cc = os.environ.get("CC", "cc")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    # the library holds code for this machine's CPU (-march=native): its flags are part of the key
+    cpu = next((line for line in _cpuinfo() if line.startswith(("flags", "Features"))), platform.processor())
+    cache = Path(os.environ.get("QSINKKV_CACHE_DIR")
+                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qsinkkv")
+    errors = []
+    for flags in (["-O3", "-march=native"], ["-O3"]):  # (some compilers take no -march=native)
+        flags = [*flags, "-fopenmp-simd", "-fPIC", "-shared"]
+        key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(flags), cc, version, cpu,
+                                        platform.machine()]).encode()).hexdigest()[:16]
+        lib = cache / f"decode_c-{key}.so"
+        if not lib.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then one atomic rename
+                built = Path(tmp) / lib.name
+                run = subprocess.run([cc, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                     text=True)
+                if run.returncode:
+                    errors.append(f"{cc} {' '.join(flags)} failed: {run.stderr.strip()[-300:]}")
+                    continue
+                os.replace(built, lib)
+        dll = ctypes.CDLL(str(lib))
+        dll.qsinkkv_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64]
+        dll.qsinkkv_decode.restype = ctypes.c_int
+        dll.qsinkkv_args_size.restype = ctypes.c_int64
+        if dll.qsinkkv_args_size() != ctypes.sizeof(_Args):
+            raise RuntimeError("decode_c.c's Args and decode_c.py's _Args disagree")
+        return dll
+    raise RuntimeError("; ".join(errors))
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+THREAD_WORK = 1 << 20  # slot-channels (KV heads x sequences x slots x head_dim) each thread must get
+_pool: ThreadPoolExecutor | None = None
+
+
+def _threads(n: int) -> ThreadPoolExecutor:
+    """The pool that runs the calling thread's helpers (the C calls release the GIL)."""
+    global _pool
+    if _pool is None or _pool._max_workers < n:
+        _pool = ThreadPoolExecutor(n, thread_name_prefix="qsinkkv-decode")
+    return _pool
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = None,
+                       sink_logits: Tensor | None = None) -> Tensor:
+    """``q [B, H, D]`` -> ``[B, H, D]`` in q's dtype, computed in float32, reading the storage where it
+    lies (dense or paged). Same contract as ``decode.decode_attention_torch``. The (KV head, sequence)
+    units are split over up to ``torch.get_num_threads()`` threads (this one and a pool's) when each
+    gets ``THREAD_WORK`` of them."""
+    if _lib is None:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(f"the C decode is not available: {why}")
+    s, cfg = layer, layer.layout.config
+    B, H, D = q.shape
+    Hkv = s.num_kv_heads
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"the C decode takes head_dim <= {MAX_HEAD_DIM}, got {D}")
+    if s.device.type != "cpu":
+        raise ValueError(f"the C decode reads CPU tensors, got the storage on {s.device}")
+    q32 = q.to(torch.float32).contiguous()
+    bias = s.layout.visible_bias(s.seq_lens, s.device)
+    logits = None if sink_logits is None else sink_logits.to(torch.float32).contiguous()
+    out = torch.empty(B, H, D, dtype=torch.float32)
+    keep = [q32, bias, logits]  # alive until the call returns
+    ptr = lambda t: None if t is None else _contiguous(t, keep).data_ptr()  # noqa: E731
+    a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=cfg.sink_tokens, bs=cfg.block_size,
+              quant_slots=s.layout.quant_slots, float_slots=s.layout.float_slots, bits=cfg.bits,
+              groups=s.value_scale.shape[-1], sink_pages=s.sink_k.shape[1], float_blocks=s.float_k.shape[1],
+              quant_blocks=s.key_codes.shape[1],
+              sink_k=ptr(s.sink_k), sink_v=ptr(s.sink_v), float_k=ptr(s.float_k), float_v=ptr(s.float_v),
+              key_scale=ptr(s.key_scale), key_zero=ptr(s.key_zero), value_scale=ptr(s.value_scale),
+              value_zero=ptr(s.value_zero), key_codes=ptr(s.key_codes), value_codes=ptr(s.value_codes),
+              sink_dtype=_DTYPES[cfg.sink_dtype], window_dtype=_DTYPES[cfg.window_dtype],
+              scale_dtype=_DTYPES[cfg.scale_dtype],
+              sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table),
+              q=q32.data_ptr(), bias=bias.data_ptr(), sink_logits=ptr(logits),
+              scale=D ** -0.5 if scale is None else scale, out=out.data_ptr())
+    # threads only for large work: inside a model the handoff to a pool thread, competing with PyTorch's own
+    # spinning OpenMP workers, cost more than it saved at 2k tokens on the default model (2 cores)
+    units = Hkv * B
+    threads = min(torch.get_num_threads(), units, units * s.layout.num_slots * D // THREAD_WORK)
+    if threads > 1:
+        cuts = [units * i // threads for i in range(threads + 1)]
+        rest = [_threads(threads - 1).submit(_lib.qsinkkv_decode, ctypes.byref(a), cuts[i], cuts[i + 1])
+                for i in range(1, threads)]
+        codes = [_lib.qsinkkv_decode(ctypes.byref(a), 0, cuts[1])] + [f.result() for f in rest]
+    else:
+        codes = [_lib.qsinkkv_decode(ctypes.byref(a), 0, units)]
+    if any(codes):
+        raise RuntimeError(f"the C decode failed (code {min(codes)})")
+    return out.to(q.dtype)
+
+
+def _contiguous(t: Tensor, keep: list) -> Tensor:
+    if not t.is_contiguous():
+        t = t.contiguous()
+        keep.append(t)
+    return t

@@ -1,0 +1,143 @@
+"""The C decode (``qsinkkv.decode_c``, the "c" backend's decode) vs the PyTorch reference and the
+float64 oracle: every layout, bits and dtype, ragged and paged batches, bit-identical rows alone
+and in a batch, and how the backend is chosen when C is not at hand."""
+import pytest
+import torch
+from test_attention import run_stream
+from test_kernels import CASES, D, filled_layer, random_storage_layer, rel_rms
+
+from qsinkkv import CacheConfig, Rotary, SinkQuantCache, decode_c
+from qsinkkv.decode import decode_attention_reference
+from qsinkkv.paged import PagedCache
+
+pytestmark = pytest.mark.skipif(not decode_c.available()[0], reason=f"no C decode: {decode_c.available()[1]}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
+def test_matches_reference_and_rows_alone(case):
+    bits, S, W, bs, group, R, Hkv, G, lengths = case
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
+                      residual_tokens=R)
+    layer, _ = filled_layer(cfg, lengths, Hkv, seed=11)
+    q = torch.randn(len(lengths), Hkv * G, D, generator=torch.Generator().manual_seed(2))
+    for logits in (None, torch.randn(Hkv * G), torch.full((Hkv * G,), float("-inf"))):
+        ref = decode_attention_reference(q, layer, sink_logits=logits)
+        out = decode_c.decode_attention_c(q, layer, sink_logits=logits)
+        assert rel_rms(out, ref) < 1e-5
+        for b in range(len(lengths)):  # a sequence alone gets the bits it gets in the batch
+            alone = decode_c.decode_attention_c(q[b:b + 1], layer.rows(b), sink_logits=logits)
+            assert torch.equal(alone, out[b:b + 1])
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_stream_matches_float64_oracle(bits):
+    """A cache on the "c" backend through a stream (prefill past the capacity, 240 decode steps, a
+    mid-stream chunk) against the float64 oracle on the K/V it stored."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=20, bits=bits, block_size=4, value_group_size=8)
+    worst, rms = run_stream(cfg, backend="c", sink_logits=torch.randn(6))
+    assert worst < 1e-5, f"vs oracle on stored K/V: {worst:.2e}"
+    assert rms < (1e-5 if bits == 16 else 0.1)
+
+
+@pytest.mark.parametrize("sink_dtype, window_dtype, scale_dtype", [
+    (torch.float16, torch.float16, torch.float16), (torch.float32, torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float16, torch.float32)])
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_storage_dtypes(bits, sink_dtype, window_dtype, scale_dtype):
+    """Sinks, float ring and scales in every dtype the config takes (fp16 read bit by bit in C),
+    with values down in fp16's subnormals."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=21, bits=bits, block_size=4, value_group_size=8,
+                      residual_tokens=2, sink_dtype=sink_dtype, window_dtype=window_dtype, scale_dtype=scale_dtype)
+    g = torch.Generator().manual_seed(bits)
+    cache = SinkQuantCache(cfg, 1, 2, 2, D, dtype=torch.float32, backend="torch")
+    v = torch.randn(2, 2, 45, D, generator=g)
+    v[:, :, ::5] *= 1e-6
+    cache.append(0, torch.randn(2, 2, 45, D, generator=g) * 2, v, lengths=[45, 30])
+    layer = cache.layers[0]
+    q = torch.randn(2, 6, D, generator=g)
+    assert rel_rms(decode_c.decode_attention_c(q, layer), decode_attention_reference(q, layer)) < 1e-5
+    half = q.to(torch.bfloat16)
+    out = decode_c.decode_attention_c(half, layer, scale=0.2)
+    assert out.dtype == torch.bfloat16
+    assert rel_rms(out.float(), decode_attention_reference(half.float(), layer, scale=0.2)) < 1e-2
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_positions_past_2_31_and_empty_rows(bits):
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=13, bits=bits, block_size=4, value_group_size=8, residual_tokens=2)
+    layer = random_storage_layer(cfg, 4, 2, seed=bits)
+    layer.seq_lens.copy_(torch.tensor([2**31 + 5, 0, 2**32 + 78, 2**31 - 1]))
+    q = torch.randn(4, 4, D, generator=torch.Generator().manual_seed(1))
+    ref = decode_attention_reference(q, layer)
+    out = decode_c.decode_attention_c(q, layer)
+    keep = torch.tensor([True, False, True, True])
+    assert rel_rms(out[keep], ref[keep]) < 1e-5
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # a sequence with no token sees nothing: 0, not NaN
+
+
+def test_threads_do_not_change_the_bits(monkeypatch):
+    """The (KV head, sequence) units split over threads: each unit's arithmetic is the same."""
+    monkeypatch.setattr(decode_c, "THREAD_WORK", 1)  # threads for any work
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=300, bits=4, block_size=16, value_group_size=8)
+    layer = random_storage_layer(cfg, 3, 4, seed=3)
+    layer.seq_lens.copy_(torch.tensor([310, 150, 900]))
+    q = torch.randn(3, 8, D)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(decode_c.decode_attention_c(q, layer))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert rel_rms(outs[0], decode_attention_reference(q, layer)) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_reads_a_paged_pool_through_its_tables(bits):
+    """A pool whose blocks are scattered (sequences admitted and released in between): the C decode
+    reads each sequence's blocks through the tables, as the reference does."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=bits, block_size=4, value_group_size=8)
+    pool = PagedCache(cfg, 1, 2, D, max_seqs=4, float_blocks=12, quant_blocks=12, dtype=torch.float32, backend="c")
+    g = torch.Generator().manual_seed(bits)
+    draw = lambda B, T: tuple(torch.randn(B, h, T, D, generator=g) for h in (6, 2, 2))  # noqa: E731
+    ids = [pool.admit() for _ in range(3)]
+    pool.attend(0, *draw(3, 9), [9, 2, 5])
+    pool.release(ids[0])
+    pool.admit()
+    for lens in ([7, 3, 13], [1, 1, 1], [0, 1, 1]):
+        out = pool.attend(0, *draw(3, max(lens)), lens)
+        assert torch.isfinite(out).all()
+    layer = pool.layers[0]
+    table = (layer.quant_table if bits != 16 else layer.float_table).flatten().tolist()
+    assert pool.backend == "c" and not layer.dense and table != sorted(table)  # scattered blocks
+    q = torch.randn(3, 6, D, generator=g)
+    out = decode_c.decode_attention_c(q, layer)
+    assert rel_rms(out, decode_attention_reference(q, layer)) < 1e-5
+    for b in range(3):
+        assert torch.equal(decode_c.decode_attention_c(q[b:b + 1], layer.rows(b)), out[b:b + 1])
+
+
+def test_backend_choice_and_refusals(monkeypatch, tmp_path):
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=2)
+    assert SinkQuantCache(cfg, 1, 1, 1, D).backend == "c"  # auto on the CPU
+    assert SinkQuantCache(cfg, 1, 1, 1, D, backend="torch").backend == "torch"
+    with pytest.raises(ValueError, match="backend='c' decodes absolute positions"):
+        SinkQuantCache(CacheConfig(value_group_size=8, positions="cache_index"), 1, 1, 1, D, backend="c",
+                       rotary=Rotary.from_schedule(D, base=100.0))
+    with pytest.raises(ValueError, match="backend='c' needs head_dim <= 512, got head_dim=520"):
+        SinkQuantCache(cfg, 1, 1, 1, 520, backend="c")
+    # a machine whose compiler fails: auto falls back to torch, "c" says why
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("QSINKKV_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="false -O3 -march=native .* failed: .*; false -O3 -fopenmp-simd .* failed"):
+        decode_c._load()
+    monkeypatch.setattr(decode_c, "_lib", None)
+    monkeypatch.setattr(decode_c, "_why_not", "RuntimeError: false failed")
+    assert SinkQuantCache(cfg, 1, 1, 1, D).backend == "torch"
+    with pytest.raises(ValueError, match=r"backend='c' could not build its C library \(RuntimeError: false failed\)"):
+        SinkQuantCache(cfg, 1, 1, 1, D, backend="c")
+    monkeypatch.setenv("QSINKKV_C", "0")
+    with pytest.raises(RuntimeError, match="turned off by QSINKKV_C=0"):
+        decode_c._load()

@@ -19,10 +19,11 @@ demo: install
 frontier: install
 	$(PYTHON) -m qsinkkv.eval frontier --out out/frontier
 
-# lint, then the tests: what CI runs (.ci/run)
+# lint, then the tests: what CI runs (.ci/run). Two pytest-xdist workers, a test file each at a time (a file's
+# model and report fixtures are built once), each with half the cores (tests/conftest.py)
 test: install
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile
 
 memory: install
 	$(PYTHON) benchmarks/memory.py

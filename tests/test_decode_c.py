@@ -1,32 +1,17 @@
 """The C decode (``qsinkkv.decode_c``, the "c" backend's decode) vs the PyTorch reference and the
-float64 oracle: every layout, bits and dtype, ragged and paged batches, bit-identical rows alone
-and in a batch, and how the backend is chosen when C is not at hand."""
+float64 oracle: every bits and dtype, ragged and paged batches, bit-identical rows alone and on
+any thread, and how the backend is chosen when C is not at hand. (Every layout of the kernel tests,
+beside the PyTorch CPU path: ``tests/test_kernels.py::test_cpu_decode_matches_reference_and_rows_alone``.)"""
 import pytest
 import torch
 from test_attention import run_stream
-from test_kernels import CASES, D, filled_layer, random_storage_layer, rel_rms
+from test_kernels import D, random_storage_layer, rel_rms
+from test_paged import scattered_pool
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, decode_c
 from qsinkkv.decode import decode_attention_reference
-from qsinkkv.paged import PagedCache
 
 pytestmark = pytest.mark.skipif(not decode_c.available()[0], reason=f"no C decode: {decode_c.available()[1]}")
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
-def test_matches_reference_and_rows_alone(case):
-    bits, S, W, bs, group, R, Hkv, G, lengths = case
-    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
-                      residual_tokens=R)
-    layer, _ = filled_layer(cfg, lengths, Hkv, seed=11)
-    q = torch.randn(len(lengths), Hkv * G, D, generator=torch.Generator().manual_seed(2))
-    for logits in (None, torch.randn(Hkv * G), torch.full((Hkv * G,), float("-inf"))):
-        ref = decode_attention_reference(q, layer, sink_logits=logits)
-        out = decode_c.decode_attention_c(q, layer, sink_logits=logits)
-        assert rel_rms(out, ref) < 1e-5
-        for b in range(len(lengths)):  # a sequence alone gets the bits it gets in the batch
-            alone = decode_c.decode_attention_c(q[b:b + 1], layer.rows(b), sink_logits=logits)
-            assert torch.equal(alone, out[b:b + 1])
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
@@ -98,21 +83,10 @@ def test_threads_do_not_change_the_bits(monkeypatch):
 def test_reads_a_paged_pool_through_its_tables(bits):
     """A pool whose blocks are scattered (sequences admitted and released in between): the C decode
     reads each sequence's blocks through the tables, as the reference does."""
-    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=bits, block_size=4, value_group_size=8)
-    pool = PagedCache(cfg, 1, 2, D, max_seqs=4, float_blocks=12, quant_blocks=12, dtype=torch.float32, backend="c")
-    g = torch.Generator().manual_seed(bits)
-    draw = lambda B, T: tuple(torch.randn(B, h, T, D, generator=g) for h in (6, 2, 2))  # noqa: E731
-    ids = [pool.admit() for _ in range(3)]
-    pool.attend(0, *draw(3, 9), [9, 2, 5])
-    pool.release(ids[0])
-    pool.admit()
-    for lens in ([7, 3, 13], [1, 1, 1], [0, 1, 1]):
-        out = pool.attend(0, *draw(3, max(lens)), lens)
-        assert torch.isfinite(out).all()
+    pool, draw = scattered_pool(bits, "c")
     layer = pool.layers[0]
-    table = (layer.quant_table if bits != 16 else layer.float_table).flatten().tolist()
-    assert pool.backend == "c" and not layer.dense and table != sorted(table)  # scattered blocks
-    q = torch.randn(3, 6, D, generator=g)
+    assert pool.backend == "c"
+    q = draw(3, 1)[0][:, :, 0]
     out = decode_c.decode_attention_c(q, layer)
     assert rel_rms(out, decode_attention_reference(q, layer)) < 1e-5
     for b in range(3):

@@ -205,19 +205,28 @@ def test_backend_choice():
         SinkQuantCache(cfg, 1, 1, 1, 6, backend="triton", device=DEVICE)
 
 
+@pytest.mark.parametrize("op", ["torch", "c"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
-def test_torch_decode_from_codes_matches_reference(case):
-    """The CPU path (reused buffers, three products) vs dequantize-then-attend."""
+def test_cpu_decode_matches_reference_and_rows_alone(case, op):
+    """The CPU paths (torch: reused buffers, three products; c: qsinkkv/decode_c.c) vs
+    dequantize-then-attend, with and without sink logits (also -inf); each sequence alone gets the
+    bits it gets in the batch."""
+    from qsinkkv import decode_c
     from qsinkkv.decode import decode_attention_torch
+    if op == "c" and not decode_c.available()[0]:
+        pytest.skip(f"no C decode: {decode_c.available()[1]}")
+    decode = decode_attention_torch if op == "torch" else decode_c.decode_attention_c
     bits, S, W, bs, group, R, Hkv, G, lengths = case
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
                       residual_tokens=R)
     layer, _ = filled_layer(cfg, lengths, Hkv, seed=3)
     q = torch.randn(len(lengths), Hkv * G, D)
-    for logits in (None, torch.randn(Hkv * G)):
+    for logits in (None, torch.randn(Hkv * G), torch.full((Hkv * G,), float("-inf"))):
         ref = decode_attention_reference(q, layer, sink_logits=logits)
-        out = decode_attention_torch(q, layer, sink_logits=logits)
+        out = decode(q, layer, sink_logits=logits)
         assert rel_rms(out, ref) < 1e-5
+        for b in range(len(lengths)):
+            assert torch.equal(decode(q[b:b + 1], layer.rows(b), sink_logits=logits), out[b:b + 1])
 
 
 @pytest.mark.parametrize("bits", [4, 8])

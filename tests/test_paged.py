@@ -234,20 +234,15 @@ def test_bad_sizes_and_calls_are_named():
     check_accounting(pool)
 
 
-@pytest.mark.parametrize("bits", [4, 16])
-def test_triton_kernel_reads_the_block_table(bits):
-    """The decode and prefill kernels on a paged storage whose blocks are scattered (sequences admitted and
-    released in between) equals the reference read through the same tables."""
-    from conftest import DEVICE, KERNEL_TOL
-
-    from qsinkkv.decode import decode_attention_reference
-    from qsinkkv.kernels import decode_attention, prefill_attention
-    from qsinkkv.prefill import prefill_attention_reference
+def scattered_pool(bits, backend, device="cpu"):
+    """A one-layer pool of 3 sequences (HKV KV heads, head_dim 16) whose blocks are scattered: a sequence
+    admitted and released between others, then ragged prefill chunks and decode steps (a row idle).
+    Returns the pool and ``draw(B, T)``, fresh random q, k, v ``[B, H, T, 16]`` on ``device``."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=bits, block_size=4, value_group_size=8)
     pool = PagedCache(cfg, 1, HKV, 16, max_seqs=4, float_blocks=12, quant_blocks=12, dtype=torch.float32,
-                      device=DEVICE, backend="triton")
+                      device=device, backend=backend)
     g = torch.Generator().manual_seed(bits)
-    draw = lambda B, T: tuple(torch.randn(B, h, T, 16, generator=g).to(DEVICE) for h in (HKV * G, HKV, HKV))  # noqa
+    draw = lambda B, T: tuple(torch.randn(B, h, T, 16, generator=g).to(device) for h in (HKV * G, HKV, HKV))  # noqa
     ids = [pool.admit() for _ in range(3)]
     pool.attend(0, *draw(3, 9), [9, 2, 5])
     pool.release(ids[0])
@@ -258,7 +253,21 @@ def test_triton_kernel_reads_the_block_table(bits):
     layer = pool.layers[0]
     table = (layer.quant_table if bits != 16 else layer.float_table).flatten().tolist()
     assert not layer.dense and len(set(table) - {-1}) > 3 and table != sorted(table)  # scattered blocks
-    q = torch.randn(3, HKV * G, 16, generator=g).to(DEVICE)
+    return pool, draw
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_triton_kernel_reads_the_block_table(bits):
+    """The decode and prefill kernels on a paged storage whose blocks are scattered (sequences admitted and
+    released in between) equals the reference read through the same tables."""
+    from conftest import DEVICE, KERNEL_TOL
+
+    from qsinkkv.decode import decode_attention_reference
+    from qsinkkv.kernels import decode_attention, prefill_attention
+    from qsinkkv.prefill import prefill_attention_reference
+    pool, draw = scattered_pool(bits, "triton", DEVICE)
+    layer = pool.layers[0]
+    q = draw(3, 1)[0][:, :, 0]
     ref = decode_attention_reference(q.cpu(), _on_cpu(layer))
     out = decode_attention(q, layer, num_splits=2).cpu()
     assert rel(out, ref) < KERNEL_TOL

@@ -163,7 +163,7 @@ def main():
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 3; --tiny 1)")
     ap.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 3)")
     ap.add_argument("--budget-gb", type=float, default=40.0, help="KV memory budget, GiB")
-    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"], help="QSinkKVCache backend")
+    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "c", "torch"], help="QSinkKVCache backend")
     ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")

@@ -40,10 +40,11 @@ class SinkQuantCache:
     dtype is the dtype of the K/V (and queries) the model passes in. With
     ``config.positions == "cache_index"`` pass ``rotary`` (a fixed ``Rotary`` schedule) and
     give pre-RoPE queries and keys: the cache rotates them by their index in the cache.
-    backend: "torch" (PyTorch ops), "triton" (block quantization and decode attention in
-    Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), or "auto"
-    (Triton on CUDA when it is installed, else torch). Prefill chunks (T > 1) attend with
-    the PyTorch path on every backend.
+    backend: "torch" (PyTorch ops), "c" (decode attention in C on the CPU, ``decode_c.py``),
+    "triton" (block quantization, decode and prefill attention in Triton kernels: CUDA tensors,
+    or CPU tensors under TRITON_INTERPRET=1), or "auto" (Triton on CUDA when it is installed, C
+    on the CPU where it applies and compiles, else torch); ``ops.select_ops`` says where each
+    applies.
     """
 
     def __init__(self, config: CacheConfig, num_layers: int, batch_size: int, num_kv_heads: int,

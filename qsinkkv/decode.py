@@ -1,12 +1,13 @@
-"""Decode attention in PyTorch over a ``LayerStorage``: the reference, and the CPU path.
+"""Decode attention in PyTorch over a ``LayerStorage``: the reference, and the PyTorch CPU path.
 
 One query token per sequence, at position ``seq_lens[b] - 1`` (the newest stored token).
 
 ``decode_attention_reference`` dequantizes every slot (``gather``) and runs the dense
-``sink_window_attention``: the reference of both fast paths (the one below and the Triton
-kernel, ``qsinkkv.kernels.decode_attention``).
+``sink_window_attention``: the reference of the three fast paths (the one below, the C one in
+``decode_c.py``, and the Triton kernel, ``qsinkkv.kernels.decode_attention``).
 
-``decode_attention_torch`` (the cache's CPU path for absolute positions) dequantizes every slot
+``decode_attention_torch`` (the "torch" backend's CPU path for absolute positions; the "c"
+backend's C decode reads the codes inside its products instead) dequantizes every slot
 with the same ``gather_into`` into one float32 buffer that lives across calls and layers (the
 keys, then the values), and attends in three large ops (scores, softmax, values), with the G
 query heads of a KV head as G rows over its keys and the visible set (built once per model

@@ -51,7 +51,8 @@ _why_not: str | None = None
 
 def available() -> tuple[bool, str]:
     """(True, path of the library) once compiled and loaded, else (False, why not). Compiles on the
-    first call (about a second) and remembers the answer."""
+    first call on a machine (a few seconds; later processes load the cached library) and remembers
+    the answer."""
     global _lib, _why_not
     with _lock:
         if _lib is None and _why_not is None:
@@ -128,8 +129,8 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
                        sink_logits: Tensor | None = None) -> Tensor:
     """``q [B, H, D]`` -> ``[B, H, D]`` in q's dtype, computed in float32, reading the storage where it
     lies (dense or paged). Same contract as ``decode.decode_attention_torch``. The (KV head, sequence)
-    units are split over up to ``torch.get_num_threads()`` threads (this one and a pool's) when each
-    gets ``THREAD_WORK`` of them."""
+    units are split over up to ``torch.get_num_threads()`` threads (this one and a pool's), as many as
+    get at least ``THREAD_WORK`` slot-channels each."""
     if _lib is None:
         ok, why = available()
         if not ok:

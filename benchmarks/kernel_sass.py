@@ -4,10 +4,10 @@
 
 Compiles ``_decode_kernel`` for ``GPUTarget("cuda", 90, 32)`` on this machine (Triton ships
 ptxas and cuobjdump), then reads the cubin: registers, stack (spill) bytes, and the SASS of the
-main loop (the largest loop: one block of BS tokens of the recent window per iteration). A
-loop holds the quantized path and the float path (filling block) behind one branch; the walk
-below follows each side and reports the quantized one for int8/int4 (the one that converts
-codes: more I2F instructions) and the float one for bf16.
+main loop (the largest loop: one block of BS tokens of the recent window per iteration; the
+quantized blocks' loop for int8/int4, the float blocks' loop for bf16), the longest path through
+it, and how many of its loads are asynchronous copies (LDGSTS: the pipeliner prefetches the next
+blocks; 0 means each iteration waits for its own loads).
 
 The yardstick (design sheet): an H200 issues ~132 SMs x 4 schedulers x 1.98 GHz = 1.05e12
 warp-instructions/s against ~4.3e12 B/s of HBM, so a loop at <= ~0.24 warp-instructions per
@@ -181,8 +181,8 @@ def main():
     print(f"# _decode_kernel for sm_90a (triton {triton.__version__}), block {a.block}, group {a.group}, "
           f"{a.warps} warps, {a.stages} stages; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
     print("| D | bits | values | regs | stack (spill) bytes | loop instr | path instr | LDL+STL in path "
-          "| KV bytes/iter | warp-instr/byte |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| LDGSTS in path | KV bytes/iter | warp-instr/byte |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     modes = lambda bits: ("dequantized", "folded", "fp16") if bits != 16 else ("-",)  # noqa: E731
     for D, bits, values in [(D, b, v) for D in a.dims for b in a.bits for v in modes(b)]:
         k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, values)
@@ -194,14 +194,13 @@ def main():
         ins = instructions(sass)
         first, last = main_loop(ins)
         loop = sum(first <= addr <= last for addr, _ in ins)
-        paths = [walk(ins, first, last, taken) for taken in (False, True)]
-        converts = [sum("I2F" in t for t in p) for p in paths]
-        path = paths[converts.index(max(converts))] if bits != 16 else min(paths, key=len)
+        path = max((walk(ins, first, last, taken) for taken in (False, True)), key=len)
+        copies = sum(t.startswith("LDGSTS") or " LDGSTS" in t for t in path)
         spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
         nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
         per_byte = len(path) * a.warps / nbytes
-        print(f"| {D} | {bits} | {values} | {regs} | {stack} | {loop} | {len(path)} | {spills} | {nbytes:,} | "
-              f"{per_byte:.2f} |", flush=True)
+        print(f"| {D} | {bits} | {values} | {regs} | {stack} | {loop} | {len(path)} | {spills} | {copies} | "
+              f"{nbytes:,} | {per_byte:.2f} |", flush=True)
     prefill_table(a.dims)
 
 

@@ -212,21 +212,25 @@ def _decode_kernel(
             m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
                                                       acc_lo, acc_hi, qk_scale, DOT_PRECISION)
 
-    # --- segment 2: this split's run of recent blocks ---
+    # --- segment 2: this split's run of recent blocks: its quantized blocks, then its float ones ---
+    # Two loops, each without a branch in its body: Triton's pipeliner turns a loop's tile loads
+    # into asynchronous copies several blocks ahead (num_stages) only when no branch guards them.
     t = tl.arange(0, BLOCK_T)
     t_ok = t < BS
     blk0 = blk_lo + split * BLOCKS_PER_SPLIT
     blk1 = tl.minimum(blk0 + BLOCKS_PER_SPLIT, blk_end)
-    for i in range(0, blk1 - blk0):
-        blk = blk0 + i  # int64 like seq_lens (a loop over [blk0, blk1) would count in int32 in the interpreter)
-        r = blk * BS + t
-        ok = t_ok & (r >= r_lo) & (r < m)
-        kv_mask = ok[:, None] & c_ok[None, :]
-        if BITS != 16 and blk < qb:
+    f0 = blk0  # this split's first float block
+    if BITS != 16:
+        CPB: tl.constexpr = 2 if BITS == 4 else 1
+        DC: tl.constexpr = D // CPB
+        NG: tl.constexpr = D // GROUP
+        f0 = tl.maximum(blk0, tl.minimum(qb, blk1))
+        for i in range(0, f0 - blk0):
+            blk = blk0 + i  # int64 like seq_lens (a loop over [blk0, f0) would count in int32 in the interpreter)
+            r = blk * BS + t
+            ok = t_ok & (r >= r_lo)  # a quantized block lies wholly before m
+            kv_mask = ok[:, None] & c_ok[None, :]
             slot = h * QUANT_BLOCKS + tl.load(quant_table_ptr + b * NQ + blk % NQ)  # the ring slot's block
-            CPB: tl.constexpr = 2 if BITS == 4 else 1
-            DC: tl.constexpr = D // CPB
-            NG: tl.constexpr = D // GROUP
             key_block = key_codes_ptr + slot * (BS * DC)     # scalar bases: one address computation per block
             value_block = value_codes_ptr + slot * (BS * DC)
             stats = slot * (BS * NG) + t * NG                # the block's per-token value stats, group 0
@@ -272,17 +276,21 @@ def _decode_kernel(
                     v_hi = tl.where(kv_mask, v_hi, 0.0)
                     m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
                                                               acc_lo, acc_hi, qk_scale, DOT_PRECISION)
-        else:
-            fblk = tl.load(float_table_ptr + b * FS + blk % FS)  # the float-ring slot's block
-            rows = ((h * FLOAT_BLOCKS + fblk) * BS + t) * D
-            k_lo = tl.load(float_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            k_hi = tl.load(float_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v_lo = tl.load(float_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v_hi = tl.load(float_v_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            if ROPE:
-                k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
-            m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
-                                                      acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+    for i in range(0, blk1 - f0):
+        blk = f0 + i
+        r = blk * BS + t
+        ok = t_ok & (r >= r_lo) & (r < m)
+        kv_mask = ok[:, None] & c_ok[None, :]
+        fblk = tl.load(float_table_ptr + b * FS + blk % FS)  # the float-ring slot's block
+        rows = ((h * FLOAT_BLOCKS + fblk) * BS + t) * D
+        k_lo = tl.load(float_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k_hi = tl.load(float_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v_lo = tl.load(float_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v_hi = tl.load(float_v_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if ROPE:
+            k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
+        m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
+                                                  acc_lo, acc_hi, qk_scale, DOT_PRECISION)
 
     # --- partial state of this split: acc [G, D], (max, sum) [G, 2] ---
     part = (bh * SPLITS + split) * G

@@ -154,6 +154,14 @@ def _code_to(code, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _ring(first, i, size):
+    """``(first + i) % size`` for ``first < size`` and ``i < size``: a block run never holds more blocks
+    than its ring, so one conditional subtraction does it."""
+    j = first + i
+    return tl.where(j >= size, j - size, j)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, sink_k_ptr, sink_v_ptr, float_k_ptr, float_v_ptr,
     key_codes_ptr, key_scale_ptr, key_zero_ptr, value_codes_ptr, value_scale_ptr, value_zero_ptr,
@@ -225,12 +233,13 @@ def _decode_kernel(
         DC: tl.constexpr = D // CPB
         NG: tl.constexpr = D // GROUP
         f0 = tl.maximum(blk0, tl.minimum(qb, blk1))
+        ring0 = (blk0 % NQ).to(tl.int32)  # the one 64-bit modulo: inside the loop it would be a division call
         for i in range(0, f0 - blk0):
             blk = blk0 + i  # int64 like seq_lens (a loop over [blk0, f0) would count in int32 in the interpreter)
             r = blk * BS + t
             ok = t_ok & (r >= r_lo)  # a quantized block lies wholly before m
             kv_mask = ok[:, None] & c_ok[None, :]
-            slot = h * QUANT_BLOCKS + tl.load(quant_table_ptr + b * NQ + blk % NQ)  # the ring slot's block
+            slot = h * QUANT_BLOCKS + tl.load(quant_table_ptr + b * NQ + _ring(ring0, i, NQ))  # the slot's block
             key_block = key_codes_ptr + slot * (BS * DC)     # scalar bases: one address computation per block
             value_block = value_codes_ptr + slot * (BS * DC)
             stats = slot * (BS * NG) + t * NG                # the block's per-token value stats, group 0
@@ -276,12 +285,13 @@ def _decode_kernel(
                     v_hi = tl.where(kv_mask, v_hi, 0.0)
                     m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
                                                               acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+    ring0 = (f0 % FS).to(tl.int32)
     for i in range(0, blk1 - f0):
         blk = f0 + i
         r = blk * BS + t
         ok = t_ok & (r >= r_lo) & (r < m)
         kv_mask = ok[:, None] & c_ok[None, :]
-        fblk = tl.load(float_table_ptr + b * FS + blk % FS)  # the float-ring slot's block
+        fblk = tl.load(float_table_ptr + b * FS + _ring(ring0, i, FS))  # the float-ring slot's block
         rows = ((h * FLOAT_BLOCKS + fblk) * BS + t) * D
         k_lo = tl.load(float_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         k_hi = tl.load(float_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)

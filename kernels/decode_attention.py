@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from qsinkkv.decode import decode_attention_reference  # noqa: F401  (the kernel's reference)
+from qsinkkv.kernels.launch import launch
 from qsinkkv.rope import Rotary
 from qsinkkv.storage import LayerStorage
 
@@ -47,6 +48,9 @@ FOLD_VALUES = os.environ.get("QSINKKV_FOLD_VALUES", "0") == "1"
 # Needs FOLD_VALUES' condition and the absolute contract; off unless QSINKKV_FP16_DOTS=1 until a
 # GPU has measured it (tests run it in the interpreter at the GPU tolerance, 3e-3).
 FP16_DOTS = os.environ.get("QSINKKV_FP16_DOTS", "0") == "1"
+# Pipeline stages tried in turn (launch.py): Triton's default, then fewer where a large block x
+# head_dim overflows shared memory (head_dim 256, block 128, int8: 238 KB at 3 stages, 172 KB at 1).
+STAGES = (3, 2, 1)
 
 
 @triton.jit
@@ -418,7 +422,8 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         (lambda *shape: torch.empty(shape, device=q.device, dtype=torch.float32))
     part_acc = alloc(B, Hkv, splits, G, D)
     part_ml = alloc(B, Hkv, splits, G, 2)
-    _decode_kernel[(B * Hkv, splits)](
+    consts = decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET)
+    launch(_decode_kernel, (B * Hkv, splits), q.device, (
         q.contiguous(), layer.sink_k, layer.sink_v, layer.float_k, layer.float_v,
         layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,
         layer.sink_table.contiguous(), layer.float_table.contiguous(), layer.quant_table.contiguous(),
@@ -426,8 +431,8 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         qk_scale, Hkv, G, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
         max(L.float_slots, 1), layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1],
         triton.cdiv(max_blocks, splits),
-        **decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET),
-    )
+    ), consts, stages=STAGES, name="decode", what=f"head_dim={D}, block_size={cfg.block_size}, bits={cfg.bits}",
+      fix="use a smaller block_size, or backend='torch'")
     out = alloc(B, H, D)
     _merge_kernel[(B * H,)](
         part_acc, part_ml, sink_logits if sink_logits is not None else part_ml, out, Hkv, G, D,

@@ -11,12 +11,16 @@ import torch
 from conftest import DEVICE, KERNEL_TOL
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_reliability import assert_same_state
+from triton.runtime.errors import OutOfResources
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, quant
 from qsinkkv.kernels import decode_attention, decode_attention_reference
 from qsinkkv.kernels import quantize as kq
 
 decode_mod = importlib.import_module("qsinkkv.kernels.decode_attention")  # the module, not the function
+launch_mod = importlib.import_module("qsinkkv.kernels.launch")
+prefill_mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
 
 
 @pytest.fixture(autouse=True)
@@ -190,6 +194,68 @@ def test_decode_bad_arguments():
         decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, sink_logits=torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
         decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, num_splits=0)
+
+
+class SharedMemoryShort:
+    """A kernel as launched on a GPU whose shared memory holds the tiles of at most ``fits`` pipeline
+    stages: more raise Triton's OutOfResources, as its launcher does; every launch is logged."""
+
+    def __init__(self, real, fits: int, log: list):
+        self.real, self.fits, self.log = real, fits, log
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **kw):
+            self.log.append(num_stages)
+            if num_stages > self.fits:
+                raise OutOfResources(1000 * num_stages, 1000 * self.fits, "shared memory")
+            self.real[grid](*args, num_stages=num_stages, **kw)
+        return launch
+
+
+def test_decode_fewer_stages_where_shared_memory_is_short(monkeypatch):
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
+    layer, _ = filled_layer(cfg, [23, 11], 2, seed=5)
+    q = torch.randn(2, 4, D)
+    ref = decode_attention_reference(q, layer)
+    monkeypatch.setattr(launch_mod, "_fitting", {})
+    log = []
+    monkeypatch.setattr(decode_mod, "_decode_kernel", SharedMemoryShort(decode_mod._decode_kernel, 1, log))
+    for _ in range(2):
+        out = decode_attention(q.to(DEVICE), on_device(layer), num_splits=2)
+        assert rel_rms(out.cpu(), ref) < KERNEL_TOL
+    assert log == [3, 2, 1, 1]  # the first launch finds what fits, the next one starts there
+
+
+def test_decode_refused_where_no_stages_fit(monkeypatch):
+    """A configuration too large for the device even unpipelined: a clear error at the step, and the
+    cache as its twin that never saw the step (layer 0 had taken it; layer 1 is refused)."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=8, block_size=4, value_group_size=4)
+    a, b = (SinkQuantCache(cfg, 2, 2, 2, D, dtype=torch.float32, backend="triton", device=DEVICE) for _ in range(2))
+    for layer in range(2):
+        k, v = torch.randn(2, 2, 19, D, device=DEVICE), torch.randn(2, 2, 19, D, device=DEVICE)
+        a.append(layer, k, v)
+        b.append(layer, k, v)
+    step = [torch.randn(2, n, 1, D, device=DEVICE) for n in (4, 2, 2)]
+    a.attend(0, *step)
+    monkeypatch.setattr(launch_mod, "_fitting", {})  # layer 0's launch kept 3 stages
+    monkeypatch.setattr(decode_mod, "_decode_kernel", SharedMemoryShort(decode_mod._decode_kernel, 0, []))
+    with pytest.raises(RuntimeError, match=r"the Triton decode kernel for head_dim=16, block_size=4, bits=8 does not "
+                                           r"fit this device even with num_stages=1 \(shared memory: needs 1000, "
+                                           r"the device has 0\): use a smaller block_size, or backend='torch'"):
+        a.attend(1, *step)
+    assert a.layer_lengths() == b.layer_lengths() == [19, 19]
+    assert_same_state(a, b)
+    monkeypatch.undo()
+    for layer in range(2):  # and the two go on identically
+        assert torch.equal(a.attend(layer, *step), b.attend(layer, *step))
+    # a prefill chunk likewise
+    monkeypatch.setattr(prefill_mod, "_prefill_kernel", SharedMemoryShort(prefill_mod._prefill_kernel, 0, []))
+    chunk = [torch.randn(2, n, 5, D, device=DEVICE) for n in (4, 2, 2)]
+    with pytest.raises(RuntimeError, match=r"the Triton prefill kernel for head_dim=16, block_m=\d+, block_n=\d+ does "
+                                           r"not fit this device even with num_stages=1"):
+        a.attend(0, *chunk)
+    assert a.layer_lengths() == b.layer_lengths() == [20, 20]
+    assert_same_state(a, b)
 
 
 def test_backend_choice():

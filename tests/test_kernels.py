@@ -258,6 +258,19 @@ def test_decode_refused_where_no_stages_fit(monkeypatch):
     assert_same_state(a, b)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="shared memory runs short on a GPU only")
+def test_decode_large_tiles_fit_by_fewer_stages():
+    """head_dim 256, block 128, int8: 238 KB of shared memory at Triton's default 3 stages (sm_90a,
+    benchmarks/kernel_sass.py), more than an H100/H200 gives a program; the launch falls back to fewer
+    stages and the result stays the reference's."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=508, bits=8, block_size=128, value_group_size=128)
+    cache = SinkQuantCache(cfg, 1, 2, 2, 256, dtype=torch.float32, backend="triton", device=DEVICE)
+    cache.append(0, torch.randn(2, 2, 700, 256, device=DEVICE), torch.randn(2, 2, 700, 256, device=DEVICE))
+    q = torch.randn(2, 8, 256, device=DEVICE)
+    out = decode_attention(q, cache.layers[0])
+    assert rel_rms(out, decode_attention_reference(q, cache.layers[0])) < KERNEL_TOL
+
+
 def test_backend_choice():
     cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=2)
     auto = SinkQuantCache(cfg, 1, 1, 1, D, backend="auto", device=DEVICE)

@@ -7,9 +7,11 @@ ptxas and cuobjdump), then reads the cubin: registers, stack (spill) bytes, and 
 main loop (the largest loop: one block of BS tokens of the recent window per iteration; the
 quantized blocks' loop for int8/int4, the float blocks' loop for bf16), the longest path through
 it, and how many of its loads are asynchronous copies (LDGSTS: the pipeliner prefetches the next
-blocks; 0 means each iteration waits for its own loads). Shared memory per program is printed too:
-a launch that needs more than the GPU has (227 KB on an H200) retries with fewer stages
-(kernels/launch.py); ``--block``/``--dims``/``--stages`` show where that starts.
+blocks; 0 means each iteration waits for its own loads; per loop in address order: the sinks', the
+main one and, for int8/int4, the float blocks'), calls in the main loop (a division routine, say),
+and shared memory per program: a launch that needs more than the GPU has (227 KB on an H200)
+retries with fewer stages (kernels/launch.py); ``--block``/``--dims``/``--stages`` show where that
+starts.
 
 The yardstick (design sheet): an H200 issues ~132 SMs x 4 schedulers x 1.98 GHz = 1.05e12
 warp-instructions/s against ~4.3e12 B/s of HBM, so a loop at <= ~0.24 warp-instructions per
@@ -39,6 +41,7 @@ from triton.compiler import ASTSource  # noqa: E402
 H200_BOUND = 0.24  # warp-instructions per byte at full HBM bandwidth
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_COPY = re.compile(r"\bLDGSTS\b")  # an asynchronous global-to-shared copy (cp.async)
 
 
 def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, values: str):
@@ -183,8 +186,8 @@ def main():
     print(f"# _decode_kernel for sm_90a (triton {triton.__version__}), block {a.block}, group {a.group}, "
           f"{a.warps} warps, {a.stages} stages; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
     print("| D | bits | values | regs | stack (spill) bytes | shared KB | loop instr | path instr | LDL+STL in path "
-          "| LDGSTS in path | KV bytes/iter | warp-instr/byte |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| LDGSTS in path | LDGSTS per loop | calls in loop | KV bytes/iter | warp-instr/byte |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     modes = lambda bits: ("dequantized", "folded", "fp16") if bits != 16 else ("-",)  # noqa: E731
     for D, bits, values in [(D, b, v) for D in a.dims for b in a.bits for v in modes(b)]:
         k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, values)
@@ -197,12 +200,15 @@ def main():
         first, last = main_loop(ins)
         loop = sum(first <= addr <= last for addr, _ in ins)
         path = max((walk(ins, first, last, taken) for taken in (False, True)), key=len)
-        copies = sum(t.startswith("LDGSTS") or " LDGSTS" in t for t in path)
+        copies = sum(bool(_COPY.search(t)) for t in path)
+        per_loop = " / ".join(str(sum(lo <= a <= hi and bool(_COPY.search(t)) for a, t in ins))
+                              for lo, hi in loops(ins))
+        calls = sum(first <= a <= last and bool(re.search(r"\bCALL\b", t)) for a, t in ins)
         spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
         nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
         per_byte = len(path) * a.warps / nbytes
         print(f"| {D} | {bits} | {values} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | {loop} | {len(path)} | "
-              f"{spills} | {copies} | "
+              f"{spills} | {copies} | {per_loop} | {calls} | "
               f"{nbytes:,} | {per_byte:.2f} |", flush=True)
     prefill_table(a.dims)
 

@@ -49,7 +49,7 @@ FOLD_VALUES = os.environ.get("QSINKKV_FOLD_VALUES", "0") == "1"
 # GPU has measured it (tests run it in the interpreter at the GPU tolerance, 3e-3).
 FP16_DOTS = os.environ.get("QSINKKV_FP16_DOTS", "0") == "1"
 # Pipeline stages tried in turn (launch.py): Triton's default, then fewer where a large block x
-# head_dim overflows shared memory (head_dim 256, block 128, int8: 238 KB at 3 stages, 172 KB at 1).
+# head_dim overflows shared memory (head_dim 256, block 128, int8: 232 KiB at 3 stages, 168 KiB at 1).
 STAGES = (3, 2, 1)
 
 

@@ -423,7 +423,7 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
     part_acc = alloc(B, Hkv, splits, G, D)
     part_ml = alloc(B, Hkv, splits, G, 2)
     consts = decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET)
-    launch(_decode_kernel, (B * Hkv, splits), q.device, (
+    launch(_decode_kernel, (B * Hkv, splits), (
         q.contiguous(), layer.sink_k, layer.sink_v, layer.float_k, layer.float_v,
         layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,
         layer.sink_table.contiguous(), layer.float_table.contiguous(), layer.quant_table.contiguous(),
@@ -431,8 +431,9 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         qk_scale, Hkv, G, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
         max(L.float_slots, 1), layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1],
         triton.cdiv(max_blocks, splits),
-    ), consts, stages=STAGES, name="decode", what=f"head_dim={D}, block_size={cfg.block_size}, bits={cfg.bits}",
-      fix="use a smaller block_size, or backend='torch'")
+    ), consts, key=(q.device, q.dtype, cfg.sink_dtype, cfg.window_dtype, cfg.scale_dtype), stages=STAGES,
+        name="decode", what=f"head_dim={D}, block_size={cfg.block_size}, bits={cfg.bits}",
+        fix="use a smaller block_size, or backend='torch'")
     out = alloc(B, H, D)
     _merge_kernel[(B * H,)](
         part_acc, part_ml, sink_logits if sink_logits is not None else part_ml, out, Hkv, G, D,

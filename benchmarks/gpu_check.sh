@@ -6,7 +6,7 @@
 #   3. decode_attention.md/.json: decode attention, ours (int16/8/4) vs SDPA and SDPA-GQA over a
 #      bf16 cache, llama and smollm2 shapes, L 1k..128k, B 1..64 (--max-gb caps)         <= 155 s
 #   4. decode_attention_folded.md/.json and decode_attention_fp16.md/.json: the same with
-#      QSINKKV_FOLD_VALUES=1 and with QSINKKV_FP16_DOTS=1, llama, fewer rows          <= 40 s each
+#      --decode-variant folded and --decode-variant fp16, llama, fewer rows              <= 40 s each
 #   5. prefill.md/.json: prefill of T 4k..32k tokens into an empty cache (the Triton prefill kernel)
 #      vs causal SDPA and vs the torch backend (the reference prefill), llama shape (H 32, Hkv 8,
 #      D 128), bf16, with peak extra memory                                                <= 55 s
@@ -17,6 +17,9 @@
 #
 #   bash benchmarks/gpu_check.sh [OUTDIR]                  # default out/gpu
 #   TRANSFORMERS_WHEEL=benchmarks/wheels/transformers-5.24.0-py3-none-any.whl bash benchmarks/gpu_check.sh out/gpu
+#   GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh out/gpu-tiny   # no GPU: every step at tiny sizes on the CPU,
+#     the Triton kernels in Triton's interpreter (benchmarks' --interpret) and two kernel tests; what
+#     tests/test_benchmarks_smoke.py runs, so that a stale call in this script or a GPU path fails CI
 #
 # Needs a CUDA GPU with torch, triton, pytest and hypothesis. Works from an installed qsinkkv
 # or from a bare checkout (the package is then staged on PYTHONPATH, kernels/ as qsinkkv.kernels).
@@ -53,7 +56,24 @@ if [ -n "$WHEEL" ]; then
   fi
 fi
 export PYTHONUNBUFFERED=1
-{ date -u +%F; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then  # the same steps on the CPU at tiny sizes (a smoke test)
+  export TRITON_INTERPRET=1
+  TESTS=(-k "test_decode_bad_arguments or test_decode_variant_is_an_argument")
+  DEV=(--device cpu --interpret)
+  DECODE=(--shapes smollm2 --context 128 --batch 1)
+  DECODE_FEW=(--shapes smollm2 --context 128 --batch 1)
+  PREFILL=(--shape smollm2 --dtype float32 --context 64 --capacity 32 --reps 1)
+  E2E=(--tiny --backend triton)
+else
+  TESTS=()
+  DEV=(--device cuda)
+  DECODE=()
+  DECODE_FEW=(--shapes llama --context 8192 131072 --batch 1 8 64)
+  PREFILL=(--shape llama --dtype bfloat16 --context 4096 8192 16384 32768 --reps 5)
+  E2E=(--batch 64 --context 8192)
+fi
+{ date -u +%F; { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
+    --format=csv,noheader; } || echo "no nvidia-smi"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   python3 -c "import transformers; print('transformers', transformers.__version__, transformers.__file__)"; } \
   2>&1 | tee "$DEST/env.txt"
@@ -70,15 +90,16 @@ step() {  # step OUTFILE TIMEOUT_S COMMAND...: stdout+stderr to OUTFILE; status 
   [ "$rc" = 0 ] || failed=1
 }
 B="$REPO/benchmarks"
-step tests.log 185 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_kernels.py" "$REPO/tests/test_attention.py"
-step decode_attention.md 155 python3 "$B/decode_attention.py" --json "$DEST/decode_attention.json"
-# the values-folded kernel and the fp16 tensor-core kernel (off by default until this check has passed)
-step decode_attention_folded.md 40 env QSINKKV_FOLD_VALUES=1 python3 "$B/decode_attention.py" \
-  --shapes llama --lengths 8192 131072 --batches 1 8 64 --json "$DEST/decode_attention_folded.json"
-step decode_attention_fp16.md 40 env QSINKKV_FP16_DOTS=1 python3 "$B/decode_attention.py" \
-  --shapes llama --lengths 8192 131072 --batches 1 8 64 --json "$DEST/decode_attention_fp16.json"
-step prefill.md 55 python3 "$B/prefill.py" --device cuda --shape llama --dtype bfloat16 \
-  --lengths 4096 8192 16384 32768 --reps 5 --json "$DEST/prefill.json"
-step e2e_decode.md 80 python3 "$B/e2e_decode.py" --device cuda --batch 64 --context 8192 --json "$DEST/e2e_decode.json"
+step tests.log 185 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_kernels.py" "$REPO/tests/test_attention.py" \
+  ${TESTS[@]+"${TESTS[@]}"}
+step decode_attention.md 155 python3 "$B/decode_attention.py" "${DEV[@]}" ${DECODE[@]+"${DECODE[@]}"} \
+  --json "$DEST/decode_attention.json"
+# the values-folded kernel and the fp16 tensor-core kernel (not the default until this check has passed)
+for variant in folded fp16; do
+  step "decode_attention_$variant.md" 40 python3 "$B/decode_attention.py" "${DEV[@]}" "${DECODE_FEW[@]}" \
+    --decode-variant "$variant" --json "$DEST/decode_attention_$variant.json"
+done
+step prefill.md 55 python3 "$B/prefill.py" "${DEV[@]}" "${PREFILL[@]}" --json "$DEST/prefill.json"
+step e2e_decode.md 80 python3 "$B/e2e_decode.py" "${DEV[@]}" "${E2E[@]}" --json "$DEST/e2e_decode.json"
 cat "$DEST/steps.txt"
 exit $failed

@@ -1,6 +1,7 @@
 """Offline codegen check of the Triton decode and prefill kernels for the H200 (sm_90a), no GPU needed.
 
-    python benchmarks/kernel_sass.py [--dims 128 64] [--bits 16 8 4] [--warps 4] [--sass-dir out/sass]
+    python benchmarks/kernel_sass.py [--dims 128 64] [--bits 16 8 4] [--decode-variant folded] [--warps 4]
+                                     [--sass-dir out/sass]
 
 Compiles ``_decode_kernel`` for ``GPUTarget("cuda", 90, 32)`` on this machine (Triton ships
 ptxas and cuobjdump), then reads the cubin: registers, stack (spill) bytes, and the SASS of the
@@ -8,7 +9,8 @@ main loop (the largest loop: one block of BS tokens of the recent window per ite
 quantized blocks' loop for int8/int4, the float blocks' loop for bf16), the longest path through
 it, and how many of its loads are asynchronous copies (LDGSTS: the pipeliner prefetches the next
 blocks; 0 means each iteration waits for its own loads; per loop in address order: the sinks', the
-main one and, for int8/int4, the float blocks'), calls in the main loop (a division routine, say),
+main one and, for int8/int4, the float blocks'), per decode variant (int8/int4: ``--decode-variant``,
+default all of them; see kernels/decode_attention.py), calls in the main loop (a division routine, say),
 and shared memory per program: a launch that needs more than the GPU has (227 KB on an H200)
 retries with fewer stages (kernels/launch.py); ``--block``/``--dims``/``--stages`` show where that
 starts.
@@ -38,14 +40,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from qsinkkv.ops import DECODE_VARIANTS as VARIANTS  # noqa: E402
+
 H200_BOUND = 0.24  # warp-instructions per byte at full HBM bandwidth
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _COPY = re.compile(r"\bLDGSTS\b")  # an asynchronous global-to-shared copy (cp.async)
 
 
-def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, values: str):
-    """values: "dequantized", "folded" (QSINKKV_FOLD_VALUES) or "fp16" (QSINKKV_FP16_DOTS); "-" for bf16."""
+def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, variant: str):
+    """variant: a decode variant (``VARIANTS`` of kernels/decode_attention.py); bits 16 has one body."""
     mod = importlib.import_module("qsinkkv.kernels.decode_attention")
     f = "*bf16"
     sig = dict(q_ptr=f, sink_k_ptr=f, sink_v_ptr=f, float_k_ptr=f, float_v_ptr=f, key_codes_ptr="*u8",
@@ -57,7 +61,7 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
     from qsinkkv import CacheConfig
     cfg = CacheConfig(sink_tokens=4, recent_tokens=4092, bits=bits, block_size=block, value_group_size=group)
     const = mod.decode_constexprs(cfg, head_dim, group_heads=4, splits=4, rope=False, interpret=False,
-                                  fold_values=values == "folded", fp16_dots=values == "fp16")
+                                  variant=variant)
     return compile_sm90a(mod._decode_kernel, sig, const, dict(num_warps=warps, num_stages=stages))
 
 
@@ -181,21 +185,23 @@ def main():
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--decode-variant", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                    help="int8/int4: the decode variants to compile (default: all)")
     ap.add_argument("--sass-dir", help="also write each kernel's SASS here")
     a = ap.parse_args()
     print(f"# _decode_kernel for sm_90a (triton {triton.__version__}), block {a.block}, group {a.group}, "
           f"{a.warps} warps, {a.stages} stages; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
-    print("| D | bits | values | regs | stack (spill) bytes | shared KB | loop instr | path instr | LDL+STL in path "
+    print("| D | bits | variant | regs | stack (spill) bytes | shared KB | loop instr | path instr | LDL+STL in path "
           "| LDGSTS in path | LDGSTS per loop | calls in loop | KV bytes/iter | warp-instr/byte |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
-    modes = lambda bits: ("dequantized", "folded", "fp16") if bits != 16 else ("-",)  # noqa: E731
-    for D, bits, values in [(D, b, v) for D in a.dims for b in a.bits for v in modes(b)]:
-        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, values)
+    variants = lambda bits: a.decode_variant if bits != 16 else ["-"]  # noqa: E731
+    for D, bits, variant in [(D, b, v) for D in a.dims for b in a.bits for v in variants(b)]:
+        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, "dequantize" if variant == "-" else variant)
         regs, stack = resources(k.asm["cubin"])
         sass = cuobjdump(k.asm["cubin"], "-sass")
         if a.sass_dir:
             Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
-            (Path(a.sass_dir) / f"decode_d{D}_int{bits}_{values.strip('-') or 'float'}.sass").write_text(sass)
+            (Path(a.sass_dir) / f"decode_d{D}_int{bits}_{variant.strip('-') or 'float'}.sass").write_text(sass)
         ins = instructions(sass)
         first, last = main_loop(ins)
         loop = sum(first <= addr <= last for addr, _ in ins)
@@ -207,8 +213,8 @@ def main():
         spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
         nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
         per_byte = len(path) * a.warps / nbytes
-        print(f"| {D} | {bits} | {values} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | {loop} | {len(path)} | "
-              f"{spills} | {copies} | {per_loop} | {calls} | "
+        print(f"| {D} | {bits} | {variant} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | {loop} | "
+              f"{len(path)} | {spills} | {copies} | {per_loop} | {calls} | "
               f"{nbytes:,} | {per_byte:.2f} |", flush=True)
     prefill_table(a.dims)
 

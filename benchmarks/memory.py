@@ -1,14 +1,15 @@
 """Bytes a qsinkkv cache holds vs a bf16 cache of the same capacity (ratio table).
 
-    python benchmarks/memory.py [--capacity 4096] [--sinks 4] [--block 64] [--group 64] [--json out.json]
+    python benchmarks/memory.py [--capacity 4096 | --recent-tokens W] [--sink-tokens 4] [--block 64] [--group 64]
+                                [--json out.json]
 
 Counts every tensor the cache allocates (codes, scales, zeros, sinks, the unquantized
 filling block) per sequence, layer and KV head, after streaming 2x the capacity.
 """
 import argparse
-import json
 
 import torch
+from common import add_window_options, recent_tokens, save_json
 
 from qsinkkv import CacheConfig, SinkQuantCache
 
@@ -27,24 +28,22 @@ def measure(bits, head_dim, capacity, sinks, block, group, residual=0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--capacity", type=int, default=4096)
-    ap.add_argument("--sinks", type=int, default=4)
+    add_window_options(ap, capacity=4096)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--json")
     a = ap.parse_args()
-    rows = [measure(bits, d, a.capacity, a.sinks, a.block, a.group, residual)
+    S, capacity = a.sink_tokens, a.sink_tokens + recent_tokens(a)
+    rows = [measure(bits, d, capacity, S, a.block, a.group, residual)
             for d in (128, 64) for bits, residual in ((16, 0), (8, 0), (4, 0), (4, 128))]
-    print(f"capacity {a.capacity} = {a.sinks} sinks + {a.capacity - a.sinks} recent, block {a.block}; "
+    print(f"capacity {capacity} = {S} sinks + {capacity - S} recent, block {a.block}; "
           "bytes per sequence, layer and KV head")
     print("| head_dim | bits | residual | value group | qsinkkv bytes | bf16 bytes | ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['head_dim']} | {r['bits']} | {r['residual_tokens']} | {r['value_group_size']} | "
               f"{r['nbytes']:,} | {r['bf16_nbytes']:,} | {r['ratio']:.3f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(a.json, rows)
 
 
 if __name__ == "__main__":

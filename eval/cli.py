@@ -4,6 +4,7 @@
     qsinkkv-eval kv|ppl|stream|calibrate [--model M] [--text FILE] [--tokens N] [--out DIR] ...
     qsinkkv-eval frontier [--grid small|large|KEY=V,..] [--capacity C]   # bytes/token vs KL, Pareto frontier
     qsinkkv-eval tune --budget 0.30   # the least-KL configuration within a memory budget, as a CacheConfig
+    qsinkkv-eval stream --memory-of bf16:256   # every scheme at the largest capacity that fits that memory
 
 Each run writes ``results.json`` (configuration, versions, every number), ``report.md``
 (tables) and PNG plots into ``--out``, only once everything has been computed: a failed
@@ -91,6 +92,10 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
         window.add_argument("--capacity", type=int, default=None, help="capacity S + W (instead of --recent-tokens)")
     if command in ("stream", "report"):
         p.add_argument("--window", type=int, default=256, help="tokens per windowed-perplexity point (default 256)")
+    if command == "stream":
+        from .memory import HELP, parse_memory_of
+        p.add_argument("--memory-of", type=parse_memory_of, default=None, metavar="DTYPE:N[,N...]",
+                       help=HELP + " (instead of --capacity / --recent-tokens)")
     p.add_argument("--out", default=None, help=f"output directory (default out/eval-{command})")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -138,11 +143,15 @@ def check(args) -> None:
         raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
     if args.command in ("stream", "report") and args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
+    memory_of = getattr(args, "memory_of", None)
+    if memory_of is not None and args.recent_tokens is not None:
+        given = "--capacity" if args.capacity is not None else "--recent-tokens"
+        raise UsageError(f"--memory-of sets every scheme's capacity from the budget: drop {given}")
     if args.command in ("stream", "report"):  # the stream part's length and window, fixed here for run()
         args.stream_recent = args.recent_tokens if args.recent_tokens is not None else STREAM_RECENT
         args.stream_tokens = args.tokens if args.command == "stream" else 4 * args.tokens
         C, n = args.sink_tokens + args.stream_recent, args.stream_tokens
-        if n <= C:
+        if n <= C and memory_of is None:  # --memory-of: checked against the capacities it gives (run)
             what = "--tokens" if args.command == "stream" else "4 x --tokens (the stream part)"
             raise UsageError(f"{what} ({n}) must exceed the capacity ({C}) for the window to fill")
     if args.command in ("kv", "calibrate", "report") and args.tokens > MAX_PROBS_TOKENS:
@@ -233,7 +242,7 @@ def run(args) -> dict:
     """Compute every section the command asks for; returns the results (nothing written)."""
     import torch
 
-    from . import calibrate, kv, ppl, stream
+    from . import calibrate, kv, memory, ppl, stream
     from .data import encode, load, model_name
 
     torch.manual_seed(args.seed)
@@ -245,7 +254,8 @@ def run(args) -> dict:
                    date=time.strftime("%Y-%m-%d"), model=model_name(args.model),
                    text=args.text or "pydoc_data.topics (CPython)", device=args.device, dtype=args.dtype,
                    seed=args.seed, versions=_versions(),
-                   config={k: v for k, v in vars(args).items() if k not in ("text_content", "argv")})
+                   config={k: v if k != "memory_of" or v is None else memory.text_of(v)
+                           for k, v in vars(args).items() if k not in ("text_content", "argv")})
     need_short = cmd in ("kv", "ppl", "calibrate", "report", "frontier", "tune")
     ids = encode(tok, args.text_content, args.tokens).to(args.device) if need_short else None
     W = args.recent_tokens if args.recent_tokens is not None else args.tokens  # kv / ppl: everything visible
@@ -256,7 +266,15 @@ def run(args) -> dict:
         results["kv"] = kv.run(model, ids, args.bits, S, W, only, captured=captured, positions=positions)
     if cmd in ("ppl", "report"):
         results["ppl"] = ppl.run(model, ids, args.bits, S, W, only, positions=positions)
-    if cmd in ("stream", "report"):
+    if cmd == "stream" and args.memory_of is not None:
+        from .footprint import Geometry
+        try:  # sized on the meta device before any replay: a budget no cache fits is refused here
+            plan = stream.plan_memory(Geometry.of(model), args.memory_of, S, args.stream_tokens)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        long_ids = encode(tok, args.text_content, args.stream_tokens, "stream tokens").to(args.device)
+        results["stream"] = stream.run_memory(model, long_ids, plan, args.window, positions=tuple(positions))
+    elif cmd in ("stream", "report"):
         long_ids = encode(tok, args.text_content, args.stream_tokens, "stream tokens").to(args.device)
         results["stream"] = stream.run(model, long_ids, S, args.stream_recent, args.window,
                                        positions=tuple(positions) if cmd == "stream" else stream.POSITIONS)

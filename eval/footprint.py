@@ -22,6 +22,17 @@ quantizer allocates, never from a formula:
 
 Layers of one model are identical in shape, so the baselines are measured on one layer and
 multiplied by the layer count; the qsinkkv cache is built with all its layers.
+
+Two figures per cache (``Footprint.total`` and ``Footprint.ideal``):
+
+* **allocated** (``total``): what the real cache holds, as above. For a qsinkkv cache this is its
+  ring: whole blocks, the bf16 filling block included, more slots than the window's tokens.
+* **ideal**: exactly ``capacity`` tokens in the cache's storage formats, nothing else: for qsinkkv,
+  the sinks in bf16, the residual (``residual_tokens``; the whole window with ``bits=16``) in bf16
+  and every other recent token at its quantized block's bytes per token (codes and scales, read
+  off one block of the storage's own allocation, ``qsinkkv.paged.block_bytes``), with no ring
+  slack and no filling block. The other families store exactly the tokens they hold (bf16,
+  per-tensor, bitsandbytes, quanto as counted), so their ideal is what they allocate.
 """
 from __future__ import annotations
 
@@ -31,6 +42,9 @@ import torch
 from torch import Tensor
 
 from qsinkkv import CacheConfig, SinkQuantCache, quant
+from qsinkkv.layout import WindowLayout
+from qsinkkv.paged import block_bytes
+from qsinkkv.storage import LayerStorage
 
 from .schemes import BF16, BNB_BLOCK, QUANTO, Scheme, cache_config
 
@@ -62,10 +76,16 @@ class Footprint:
     total: int                 # bytes
     bf16_total: int            # bytes of a bf16 cache of the same capacity (K and V, nothing else)
     parts: dict[str, int] = field(default_factory=dict)  # sinks, codes, scales, float (filling block, residual)
+    ideal: float | None = None  # bytes of exactly ``capacity`` tokens in the cache's formats (None: = total)
 
     @property
     def per_token(self) -> float:
+        """Allocated bytes per token held."""
         return self.total / self.capacity
+
+    @property
+    def ideal_total(self) -> float:
+        return self.total if self.ideal is None else self.ideal
 
     @property
     def fraction(self) -> float:
@@ -74,7 +94,8 @@ class Footprint:
 
     def to_dict(self) -> dict:
         return dict(capacity=self.capacity, bytes=self.total, bytes_per_token=self.per_token,
-                    bf16_fraction=self.fraction, parts=dict(self.parts))
+                    bf16_fraction=self.fraction, ideal_bytes=self.ideal_total,
+                    ideal_bytes_per_token=self.ideal_total / self.capacity, parts=dict(self.parts))
 
 
 def _nbytes(t: Tensor) -> int:
@@ -102,14 +123,35 @@ def of_config(config: CacheConfig, geo: Geometry) -> Footprint:
     parts = {name: sum(_nbytes(t) for layer in cache.layers for n, t in layer.tensors().items() if n in members)
              for name, members in groups.items()}
     assert sum(parts.values()) == cache.nbytes()  # every tensor of the storage in exactly one part
-    return _make(geo, config.capacity, parts, layers=geo.num_layers)
+    fp = _make(geo, config.capacity, parts, layers=geo.num_layers)
+    return Footprint(fp.capacity, fp.total, fp.bf16_total, fp.parts, ideal=ideal(config, geo))
 
 
-def bf16(geo: Geometry, capacity: int) -> Footprint:
+def allocated(config: CacheConfig, geo: Geometry) -> int:
+    """The bytes a ``SinkQuantCache`` of ``config`` (batch 1, every layer) allocates, read off the
+    storage's own allocation on the meta device: equal to ``of_config(config, geo).total`` without
+    building the cache."""
+    config.check_head_dim(geo.head_dim)
+    one = LayerStorage.allocate(WindowLayout(config), 1, geo.num_kv_heads, geo.head_dim, torch.device("meta"))
+    return geo.num_layers * one.nbytes()
+
+
+def ideal(config: CacheConfig, geo: Geometry) -> float:
+    """Exactly ``config.capacity`` tokens in ``config``'s formats, every layer (see the module doc)."""
+    sizes, layout = block_bytes(config, geo.num_kv_heads, geo.head_dim), WindowLayout(config)
+    U = min(layout.unquantized_tokens, config.recent_tokens)
+    bs = config.block_size
+    per_layer = sizes["sink"] + U * sizes["float"] / bs + (config.recent_tokens - U) * sizes["quant"] / bs
+    return geo.num_layers * per_layer
+
+
+def bf16(geo: Geometry, capacity: int, device: str = "cpu") -> Footprint:
+    """transformers' ``DynamicLayer`` holding ``capacity`` tokens of K and V in bf16 (``device="meta"``:
+    the same bytes, nothing allocated)."""
     from transformers.cache_utils import DynamicLayer
 
     layer = DynamicLayer()
-    kv = torch.zeros(1, geo.num_kv_heads, capacity, geo.head_dim, dtype=BF16)
+    kv = torch.zeros(1, geo.num_kv_heads, capacity, geo.head_dim, dtype=BF16, device=device)
     layer.update(kv, kv.clone())
     return _make(geo, capacity, dict(float=_nbytes(layer.keys) + _nbytes(layer.values)))
 

@@ -232,6 +232,11 @@ def frontier_baselines(bits: list[int], only: list[str] | None) -> list[Scheme]:
 
 # --- tune -----------------------------------------------------------------------------------------
 
+def format_bytes(x: float) -> str:
+    """Bytes as asked: ``6,912`` for a whole number, ``1.5`` for 1.5 (never rounded to a whole byte)."""
+    return f"{x:,.6f}".rstrip("0").rstrip(".")
+
+
 @dataclass(frozen=True)
 class Budget:
     """``--budget``: a fraction of the bf16 cache's bytes (``0.30``, ``30%``) or bytes per token
@@ -262,7 +267,7 @@ class Budget:
 
     def describe(self, geo: footprint.Geometry) -> str:
         limit = self.limit(geo)
-        return f"{limit:,.0f} bytes/token ({limit / geo.bf16_bytes_per_token:.3f} of bf16)"
+        return f"{format_bytes(limit)} bytes/token ({limit / geo.bf16_bytes_per_token:.3f} of bf16)"
 
     def fits(self, memory: footprint.Footprint) -> bool:
         return memory.per_token <= self.bytes_per_token if self.fraction is None else \

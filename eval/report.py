@@ -16,7 +16,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-MEMORY_HEAD = ["bytes/token", "x bf16"]
+# allocated: what the real cache holds (ring slots, the bf16 filling block); ideal: exactly the tokens held in
+# the cache's formats (footprint.py); x bf16: allocated against a bf16 cache of the same tokens
+MEMORY_HEAD = ["allocated bytes/token", "ideal bytes/token", "x bf16 (allocated)"]
 
 
 def _kl(x) -> str:
@@ -27,16 +29,25 @@ def _kl(x) -> str:
 
 
 def _memory(m: dict | None) -> list[str]:
-    """Bytes per token and the fraction of bf16's, from a ``footprint.Footprint.to_dict()``."""
+    """Allocated and ideal bytes per token and the allocated fraction of bf16's, from a
+    ``footprint.Footprint.to_dict()``."""
     if not m:
-        return ["-", "-"]
-    return [f"{m['bytes_per_token']:,.0f}", f"{m['bf16_fraction']:.3f}"]
+        return ["-"] * len(MEMORY_HEAD)
+    return [f"{m['bytes_per_token']:,.0f}", f"{m.get('ideal_bytes_per_token', m['bytes_per_token']):,.0f}",
+            f"{m['bf16_fraction']:.3f}"]
 
 
-def _memory_note(capacity: int) -> str:
-    return (f"Bytes per token: what each scheme's real cache holds for {capacity} tokens (sinks, codes, scales, "
-            "bf16 filling block and residual, all layers; `footprint.py`) divided by those tokens; x bf16: the "
-            "same against a bf16 cache of the same tokens.")
+MEMORY_WORDS = ("Allocated bytes/token: what each scheme's real cache allocates for {held} (sinks, codes, "
+                "scales, and the bf16 float ring in whole blocks: the filling block and any residual; all layers; "
+                "`footprint.py`) divided by those tokens. Ideal bytes/token: exactly those tokens in the scheme's "
+                "formats, no ring slack and no filling block (equal to allocated for the schemes that store each "
+                "token as it comes: bf16, per-tensor, bitsandbytes, quanto). x bf16 (allocated): allocated against "
+                "a bf16 cache of the same tokens.")
+
+
+def _memory_note(capacity) -> str:
+    """``capacity``: the tokens held (an int) or words saying which."""
+    return MEMORY_WORDS.format(held=f"{capacity} tokens" if isinstance(capacity, int) else capacity)
 
 
 def kv_markdown(r: dict) -> str:
@@ -60,7 +71,7 @@ def ppl_markdown(r: dict) -> str:
     rows = []
     for o in r["rows"]:
         if o["status"] != "ok":
-            rows.append([f"`{o['scheme']}`", str(o["bits"]), "-", "-", "-", "-", "-", o["status"]])
+            rows.append([f"`{o['scheme']}`", str(o["bits"]), *["-"] * (len(MEMORY_HEAD) + 3), o["status"]])
             continue
         rows.append([f"`{o['scheme']}`", str(o["bits"]), *_memory(o.get("memory")), _f(o["ppl"], "{:.3f}"),
                      _f(o["delta_pct"], "{:+.2f}%"), _kl(o["kl"]), o["description"]])
@@ -72,6 +83,8 @@ def ppl_markdown(r: dict) -> str:
 
 
 def stream_markdown(r: dict) -> str:
+    if r.get("mode") == "memory_of":
+        return memory_markdown(r)
     contracts = r.get("positions", ["absolute"])
     head = ["configuration", *MEMORY_HEAD]
     for c in contracts:
@@ -86,8 +99,81 @@ def stream_markdown(r: dict) -> str:
     return (f"{r['tokens']} tokens, capacity {r['capacity']} = {r['sink_tokens']} sinks + {r['recent_tokens']} "
             f"recent (the plain window keeps the newest {r['capacity']}), under the position contract(s) "
             f"{', '.join(contracts)} (cache_index: keys stored pre-RoPE and rotated by their index in the cache, "
-            "StreamingLLM's). Bytes per token: each configuration's real cache (the full cache holds the whole "
-            "text, the others the capacity) over the tokens it holds.\n\n" + _table(head, rows))
+            "StreamingLLM's). " + _memory_note("the tokens it holds (the full cache: the whole text; the others: the "
+                                                 "capacity)") + "\n\n" + _table(head, rows))
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def memory_budget_table(r: dict, b: dict) -> str:
+    """One budget's rows (and the full cache): capacity, bytes, perplexity, gap closed."""
+    contracts, F = r["positions"], r["after_fill_from"]
+    head = ["configuration", "capacity (sinks + recent)", "allocated bytes", "of the budget",
+            "one more block (token) would allocate", "ideal bytes", "allocated bytes/token"]
+    for c in contracts:
+        head += [f"perplexity (all), {c}", f"after fill (position >= {F}), {c}", f"gap closed (all), {c}",
+                 f"gap closed (after fill), {c}"]
+    full = r["full"]
+    fm = full["memory"]
+    cells = ["full cache", f"{full['capacity']:,} (the text)", f"{fm['bytes']:,}", f"{fm['bytes'] / b['bytes']:.3f}",
+             "-", f"{fm.get('ideal_bytes', fm['bytes']):,.0f}", f"{fm['bytes_per_token']:,.0f}"]
+    for c in contracts:
+        cells += [_f(full["by_positions"][c]["ppl"], "{:.2f}"), _f(full["by_positions"][c]["after_fill"], "{:.2f}"),
+                  "100%", "100%"]
+    rows = [cells]
+    for o in b["rows"]:
+        m = o["memory"]
+        unit = "block" if o["step"] > 1 else "token"
+        cells = [o["config"], f"{o['capacity']:,} ({o['sink_tokens']} + {o['recent_tokens']:,})", f"{o['bytes']:,}",
+                 f"{o['budget_fraction']:.3f}", f"{o['next_step_bytes']:,} (+1 {unit})",
+                 f"{m['ideal_bytes']:,.0f}", f"{m['bytes_per_token']:,.0f}"]
+        for c in contracts:
+            x = o["by_positions"][c]
+            cells += [_f(x["ppl"], "{:.2f}"), _f(x["after_fill"], "{:.2f}"), _pct(x["gap_closed"]),
+                      _pct(x["gap_closed_after_fill"])]
+        rows.append(cells)
+    return _table(head, rows)
+
+
+def memory_markdown(r: dict) -> str:
+    """``stream --memory-of``: one table per budget, then the memory curve (several budgets)."""
+    F, T = r["after_fill_from"], r["tokens"]
+    block = max(o["step"] for b in r["budgets"] for o in b["rows"])
+    lines = [f"Every configuration at the largest capacity whose **allocated** bytes fit each budget "
+             f"(`--memory-of {r['memory_of']}`: the K and V of that many tokens in that dtype, all layers), "
+             f"{T:,} tokens, {r['sink_tokens']} sinks, positions {', '.join(r['positions'])}. Allocated bytes: "
+             "what the real cache allocates at that capacity, read off the storage's own allocation on the meta "
+             "device and checked against a real cache's `nbytes()`: for sinks + int8/int4, qsinkkv's ring "
+             f"(block {block}: the recent window steps in whole blocks, the bf16 filling block included); for the bf16 "
+             "windows, a bf16 K/V tensor of exactly the capacity (transformers' `DynamicLayer`), which steps in "
+             "tokens. Ideal bytes: exactly the capacity's tokens in the cache's formats, no ring slack and no "
+             "filling block. \"One more block (token)\" is what the next capacity step would allocate: over the "
+             f"budget. Perplexity (all): every prediction of the text. **After fill: the predictions at positions "
+             f">= {F:,}, the largest capacity of any row of this run, so every row, at every budget, is scored on "
+             f"the same {T - 1 - F:,} predictions with its cache full.** Gap closed: of the perplexity gap between "
+             f"`{r['gap_base']}` at the same memory and the full cache, the share a row closes (negative: worse "
+             "than that window). The full cache holds the whole text: its bytes are given against the budget."]
+    for b in r["budgets"]:
+        ring = b.get("bf16_ring")
+        note = "" if not ring else (f" qsinkkv's own bf16 ring (`bits=16`, block {ring['step']}: whole blocks plus the "
+                                    f"filling block) would fit capacity {ring['capacity']:,} ({ring['bytes']:,} "
+                                    "bytes) in this budget.")
+        lines += [f"\n**At the memory of `{b['text']}`: {b['bytes']:,} bytes ({b['bytes'] / 1e6:.2f} MB).**{note}\n",
+                  memory_budget_table(r, b)]
+    if len(r["budgets"]) > 1:
+        for c in r["positions"]:
+            names = [o["config"] for o in r["budgets"][0]["rows"]]
+            head = ["budget", "bytes"] + [f"{n}: capacity, after fill" for n in names]
+            rows = [[f"`{b['text']}`", f"{b['bytes']:,}"]
+                    + [f"{o['capacity']:,}, {_f(o['by_positions'][c]['after_fill'], '{:.2f}')}" for o in b["rows"]]
+                    for b in r["budgets"]]
+            full = r["full"]["by_positions"][c]["after_fill"]
+            lines += [f"\nThe memory curve, {c} (after fill: positions >= {F:,}; the full cache: {full:.2f} at "
+                      f"{r['full']['memory']['bytes']:,} bytes):\n", _table(head, rows)]
+        lines.append("\n![memory curve](stream-memory.png)")
+    return "\n".join(lines)
 
 
 def calibrate_markdown(r: dict) -> str:
@@ -162,6 +248,11 @@ def plot_ppl(r: dict, path: Path) -> None:
 
 
 def plot_stream(r: dict, path: Path) -> None:
+    if r.get("mode") == "memory_of":
+        plot_memory(r, path)
+        if len(r["budgets"]) > 1:
+            plot_memory_curve(r, path.with_name("stream-memory.png"))
+        return
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, c in r["curves"].items():
@@ -170,6 +261,58 @@ def plot_stream(r: dict, path: Path) -> None:
     ax.set(xlabel="position", ylabel=f"perplexity over {r['window']}-token windows", yscale="log",
            title=f"streaming with capacity {r['capacity']} ({r['sink_tokens']} sinks + {r['recent_tokens']} recent)")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(r: dict, path: Path) -> None:
+    """Perplexity against position at equal memory: one panel per budget."""
+    plt = _plt()
+    n = len(r["budgets"])
+    cols = min(n, 2)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(8 * cols, 4.8 * ((n + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, b in zip(axes.flat, r["budgets"]):
+        for c in r["positions"]:
+            ls = "-" if c == r["positions"][0] else "--"
+            curve = r["full"]["curves"][c]
+            ax.plot(curve["position"], curve["ppl"], ls, color="k", lw=1, label=f"full cache [{c}]")
+            for i, o in enumerate(b["rows"]):
+                curve = o["curves"][c]
+                ax.plot(curve["position"], curve["ppl"], ls, color=f"C{i}",
+                        label=f"{o['config']}, capacity {o['capacity']:,} [{c}]")
+        ax.axvline(r["after_fill_from"], color="k", lw=0.6, ls=":")
+        ax.set(xlabel="position", ylabel=f"perplexity over {r['window']}-token windows", yscale="log",
+               title=f"at the memory of {b['text']} ({b['bytes'] / 1e6:.2f} MB); after fill from "
+                     f"{r['after_fill_from']:,} (dotted)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory_curve(r: dict, path: Path) -> None:
+    """Quality against memory per sequence, per configuration; the full cache as a line."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    names = [o["config"] for o in r["budgets"][0]["rows"]]
+    for ax, key, what in ((axes[0], "ppl", "perplexity (all predictions)"),
+                          (axes[1], "after_fill", f"perplexity after fill (positions >= {r['after_fill_from']:,})")):
+        for c in r["positions"]:
+            ls = "-" if c == r["positions"][0] else "--"
+            for i, name in enumerate(names):
+                rows = [next(o for o in b["rows"] if o["config"] == name) for b in r["budgets"]]
+                ax.plot([o["bytes"] / 1e6 for o in rows], [o["by_positions"][c][key] for o in rows], ls, marker="o",
+                        color=f"C{i}", label=f"{name} [{c}]")
+            full = r["full"]
+            ax.axhline(full["by_positions"][c][key], color="k", lw=1, ls=ls,
+                       label=f"full cache, {full['memory']['bytes'] / 1e6:.0f} MB [{c}]")
+        ax.set(xscale="log", yscale="log", xlabel="allocated KV bytes per sequence (MB, all layers)", ylabel=what,
+               title=f"{what} against memory, {r['tokens']:,} tokens")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -231,8 +374,8 @@ def frontier_markdown(r: dict) -> str:
     if skipped:
         lines.append("\n" + "\n".join(f"- `{o['name']}`: {o['status']}" for o in skipped))
     if r.get("equal_bytes"):
-        head = ["baseline", "bytes/token", "KL", "best grid config within its bytes", "bytes/token", "KL",
-                "grid config nearest its bytes", "bytes/token", "KL"]
+        head = ["baseline", "allocated bytes/token", "KL", "best grid config within its allocated bytes",
+                "allocated bytes/token", "KL", "grid config nearest its allocated bytes", "allocated bytes/token", "KL"]
         rows = [[f"`{e['baseline']}`", f"{e['bytes_per_token']:,.0f}", _kl(e["kl"]),
                  f"`{e['best']}`" if e["best"] else "none fits",
                  _f(e["best_bytes_per_token"], "{:,.0f}"), _kl(e["best_kl"]),
@@ -244,7 +387,10 @@ def frontier_markdown(r: dict) -> str:
 
 def tune_summary(r: dict) -> str:
     b, m = r["best"], r["best"]["memory"]
-    return (f"budget {r['budget']['text']}: {r['budget']['limit_bytes_per_token']:,.0f} bytes/token at capacity "
+    from .frontier import format_bytes
+
+    limit = format_bytes(r["budget"]["limit_bytes_per_token"])
+    return (f"budget {r['budget']['text']}: {limit} bytes/token at capacity "
             f"{r['capacity']}; {r['within']} of {r['considered']} configurations fit, least KL:\n"
             f"    {r['config_line']}\n"
             f"    {m['bytes_per_token']:,.0f} bytes/token ({m['bf16_fraction']:.3f} of bf16), KL {_kl(b['kl'])} "
@@ -253,8 +399,10 @@ def tune_summary(r: dict) -> str:
 
 
 def tune_markdown(r: dict) -> str:
+    from .frontier import format_bytes
+
     return "\n".join([
-        f"Budget `{r['budget']['text']}`: {r['budget']['limit_bytes_per_token']:,.0f} bytes/token. "
+        f"Budget `{r['budget']['text']}`: {format_bytes(r['budget']['limit_bytes_per_token'])} bytes/token. "
         f"{r['within']} of the grid's {r['considered']} configurations fit it and were measured. " + _setting(r),
         "\nThe least KL within the budget (paste):\n", "```python", r["config_line"], "```\n",
         _table(POINT_HEAD, _point_rows(r["rows"], mark=False))])
@@ -278,7 +426,7 @@ def plot_frontier(r: dict, path: Path, budget: float | None = None) -> None:
                     xytext=(3, 3), textcoords="offset points")
     if budget is not None:
         ax.axvline(budget, color="tab:red", ls=":", label="budget")
-    ax.set(xlabel=f"bytes per token at capacity {r['capacity']} (all layers)",
+    ax.set(xlabel=f"allocated bytes per token at capacity {r['capacity']} (all layers)",
            ylabel="mean KL from the bf16 cache (nats/token)", yscale="log",
            title=f"bytes vs error, {r['tokens']} tokens, positions {r['positions']} (KL 0 drawn at {floor:.1e})")
     ax.legend(fontsize=8)

@@ -88,7 +88,7 @@ def serve(model, cache_config: CacheConfig, requests: list[Request], pool_seqs: 
         positions = lens.unsqueeze(1) + torch.arange(T)
         mask = torch.cat((torch.ones(len(order), cache.get_seq_length(), dtype=torch.long), real), dim=1)
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                            use_cache=True).logits
         for b, (r, p) in enumerate(zip(order, pieces)):
             if r.fed < len(r.prompt):
@@ -114,23 +114,43 @@ def serve(model, cache_config: CacheConfig, requests: list[Request], pool_seqs: 
                 blocks_in_use_after=pool.blocks_in_use())
 
 
+def _at_least(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {value}")
+        return value
+    parse.__name__ = f"int >= {least}"
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=_at_least(1), default=8)
     ap.add_argument("--bits", type=int, default=4, choices=[16, 8, 4])
-    ap.add_argument("--capacity", type=int, default=128, help="sinks + recent tokens per sequence")
-    ap.add_argument("--sinks", type=int, default=4)
-    ap.add_argument("--pool-seqs", type=int, default=3, help="the pool holds this many sequences at capacity")
-    ap.add_argument("--chunk", type=int, default=64, help="prompt tokens per step and request")
+    ap.add_argument("--capacity", type=_at_least(2), default=128, help="sinks + recent tokens per sequence")
+    ap.add_argument("--sinks", type=_at_least(0), default=4)
+    ap.add_argument("--pool-seqs", type=_at_least(1), default=3,
+                    help="the pool holds this many sequences at capacity")
+    ap.add_argument("--chunk", type=_at_least(1), default=64, help="prompt tokens per step and request")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--threads", type=_at_least(1), default=None, help="torch CPU threads (default: torch's own)")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip running each request alone")
     a = ap.parse_args(argv)
+    if a.sinks >= a.capacity:
+        ap.error(f"argument --sinks: must be less than --capacity ({a.capacity}): the rest is the recent window, "
+                 f"got --sinks {a.sinks}")
+    try:
+        cfg = CacheConfig(sink_tokens=a.sinks, recent_tokens=a.capacity - a.sinks, bits=a.bits,
+                          block_size=min(32, a.capacity - a.sinks), value_group_size=32)
+    except ValueError as e:
+        ap.error(f"argument --capacity/--sinks: {e}")
     if a.threads:
         torch.set_num_threads(a.threads)
     model, tok = load_model(dtype=getattr(torch, a.dtype), attn_implementation="qsinkkv")
-    cfg = CacheConfig(sink_tokens=a.sinks, recent_tokens=a.capacity - a.sinks, bits=a.bits, block_size=32,
-                      value_group_size=32)
     requests = make_requests(tok, a.requests)
     stats = serve(model, cfg, requests, a.pool_seqs, a.chunk)
     print(f"\n{len(requests)} requests, {stats['new_tokens']} new tokens in {stats['steps']} steps, "

@@ -35,19 +35,18 @@ from qsinkkv.rope import Rotary
 from qsinkkv.storage import LayerStorage
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Tests set this to fill the partial-state workspace and the output with NaN before each
-# launch, so that any element a kernel forgets to write fails loudly.
-POISON_WORKSPACE = False
-# Values read straight from the codes, their per-token scale folded into the probabilities
-# (``_online_update_codes``): 1.5-2x fewer instructions per KV byte on sm_90a (kernel_sass.py),
-# validated in the interpreter but not yet on a GPU, so off unless QSINKKV_FOLD_VALUES=1 (read
-# once, at import; the tests run both ways).
-FOLD_VALUES = os.environ.get("QSINKKV_FOLD_VALUES", "0") == "1"
-# Quantized blocks on tensor cores: the key scale folded into the query too, codes as fp16
-# operands (0..255 are exact) of fp16 dots with fp32 accumulation (``_online_update_fp16``).
-# Needs FOLD_VALUES' condition and the absolute contract; off unless QSINKKV_FP16_DOTS=1 until a
-# GPU has measured it (tests run it in the interpreter at the GPU tolerance, 3e-3).
-FP16_DOTS = os.environ.get("QSINKKV_FP16_DOTS", "0") == "1"
+# How the kernel reads a quantized block, one ``@triton.jit`` helper each, chosen per call
+# (``decode_attention(variant=...)``; a cache's ``decode_variant=``, bound in by ``qsinkkv.ops.select_ops``):
+#   "dequantize" (default): codes * scale + zero per element into fp32 tiles (``_block_dequantize``).
+#   "folded": values read straight from the codes, their per-token scale folded into the probabilities
+#             (``_block_folded``): fewer instructions per KV byte on sm_90a (benchmarks/kernel_sass.py);
+#             validated in the interpreter, not yet on a GPU.
+#   "fp16": every scale folded out, codes as fp16 operands of tensor-core dots with fp32 accumulation
+#           (``_block_fp16``); the absolute contract only. Held to the GPU tolerance (3e-3) in the tests.
+# "folded" and "fp16" need each half of the channels in one value group (value_group_size a multiple of
+# head_dim / 2, as the default 64 is for head_dim <= 128); other layouts, and bits=16 (no codes), read their
+# blocks as "dequantize" does.
+VARIANTS = ("dequantize", "folded", "fp16")
 # Pipeline stages tried in turn (launch.py): Triton's default, then fewer where a large block x
 # head_dim overflows shared memory (head_dim 256, block 128, int8: 232 KiB at 3 stages, 168 KiB at 1).
 STAGES = (3, 2, 1)
@@ -165,6 +164,91 @@ def _ring(first, i, size):
     return tl.where(j >= size, j - size, j)
 
 
+# --- one quantized block into the running state: the three decode variants -----------------------
+# Each reads the block's codes (``key_block``/``value_block``: its first byte), its per-channel key
+# stats ``ks``/``kz [DH]`` (loaded by the caller, shared by all three) and its per-token value stats
+# (``stats [T]``: offsets of group 0), and returns the new (max, sum, acc_lo, acc_hi).
+
+@triton.jit
+def _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, k_idx, inv_freq, DC, DH,
+                          BITS: tl.constexpr, ROPE: tl.constexpr):
+    """A quantized block's keys dequantized (and rotated by ``k_idx`` under cache_index) and its value codes,
+    as fp32 halves ``[T, DH]``. Keys stay dequantized per element: folding the scale into q costs as much on
+    the padded [BLOCK_G, DH] query tile (kernel_sass.py, when tried: more instructions per byte, spills)."""
+    k_lo, k_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS)
+    k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
+    k_hi = k_hi * ks_hi[None, :] + kz_hi[None, :]
+    v_lo, v_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS)
+    if ROPE:
+        k_lo, k_hi = _rotate(k_lo, k_hi, k_idx, inv_freq)
+    return k_lo, k_hi, v_lo, v_hi
+
+
+@triton.jit
+def _block_dequantize(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
+                      value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, k_idx, inv_freq,
+                      DC, DH, BITS: tl.constexpr, GROUP: tl.constexpr, ROPE: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """Variant "dequantize" (any value group): keys and values ``codes * scale + zero`` per element into
+    fp32 tiles, then ``_online_update``. ``k_idx [T]``: the keys' index in the cache (cache_index RoPE)."""
+    c_ok = c < DH
+    kv_mask = ok[:, None] & c_ok[None, :]
+    k_lo, k_hi, v_lo, v_hi = _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok,
+                                                   k_idx, inv_freq, DC, DH, BITS, ROPE)
+    st_mask = t_ok[:, None] & c_ok[None, :]
+    grp_lo = stats[:, None] + c[None, :] // GROUP
+    grp_hi = stats[:, None] + (DH + c[None, :]) // GROUP
+    v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
+            + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
+    v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
+            + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
+    # codes of stale tokens are real data, but keep masked rows at exactly zero
+    v_lo = tl.where(kv_mask, v_lo, 0.0)
+    v_hi = tl.where(kv_mask, v_hi, 0.0)
+    return _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i, acc_lo, acc_hi, qk_scale,
+                          DOT_PRECISION)
+
+
+@triton.jit
+def _value_stats(value_scale_ptr, value_zero_ptr, stats, ok, GROUP_HI):
+    """Per-token value scales and zeros ``[T]`` of the two halves, each in one value group
+    (``GROUP_HI``: the group of the second half)."""
+    vs_lo = tl.load(value_scale_ptr + stats, mask=ok, other=0.0).to(tl.float32)
+    vz_lo = tl.load(value_zero_ptr + stats, mask=ok, other=0.0).to(tl.float32)
+    vs_hi = tl.load(value_scale_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+    vz_hi = tl.load(value_zero_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+    return vs_lo, vz_lo, vs_hi, vz_hi
+
+
+@triton.jit
+def _block_folded(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
+                  value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, k_idx, inv_freq,
+                  DC, DH, BITS: tl.constexpr, GROUP_HI, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Variant "folded" (each half of the channels in one value group): keys dequantized as in
+    ``_block_dequantize``, values read straight from the codes, their per-token scale and zero folded
+    into the probabilities (``_online_update_codes``): no ``[T, DH]`` value-scale tile."""
+    vs_lo, vz_lo, vs_hi, vz_hi = _value_stats(value_scale_ptr, value_zero_ptr, stats, ok, GROUP_HI)
+    k_lo, k_hi, v_lo, v_hi = _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok,
+                                                   k_idx, inv_freq, DC, DH, BITS, ROPE)
+    return _online_update_codes(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i,
+                                acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+
+
+@triton.jit
+def _block_fp16(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
+                value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS: tl.constexpr,
+                GROUP_HI):
+    """Variant "fp16" (each half in one value group; the absolute contract: a key turning by its own
+    index does not fold): every scale folded out, codes as fp16 tensor-core operands
+    (``_online_update_fp16``); the key zero enters as ``q . z_k`` per query row."""
+    vs_lo, vz_lo, vs_hi, vz_hi = _value_stats(value_scale_ptr, value_zero_ptr, stats, ok, GROUP_HI)
+    ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, tl.float16)
+    qz = tl.sum(q_lo * kz_lo[None, :], axis=1) + tl.sum(q_hi * kz_hi[None, :], axis=1)
+    cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, tl.float16)
+    return _online_update_fp16(q_lo * ks_lo[None, :], q_hi * ks_hi[None, :], qz, ck_lo, ck_hi, cv_lo, cv_hi,
+                               vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi, qk_scale)
+
+
 @triton.jit
 def _decode_kernel(
     q_ptr, sink_k_ptr, sink_v_ptr, float_k_ptr, float_v_ptr,
@@ -173,8 +257,7 @@ def _decode_kernel(
     qk_scale, H_KV, G, S, W, R, NQ, FS, SINK_PAGES, FLOAT_BLOCKS, QUANT_BLOCKS, BLOCKS_PER_SPLIT,
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-    ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_V: tl.constexpr, GROUP_HI: tl.constexpr,
-    FP16: tl.constexpr,
+    ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, VARIANT: tl.constexpr, GROUP_HI: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -198,6 +281,7 @@ def _decode_kernel(
     qmask = g_ok[:, None] & c_ok[None, :]
     q_lo = tl.load(q_ptr + q_rows[:, None] + c[None, :], mask=qmask, other=0.0).to(tl.float32)
     q_hi = tl.load(q_ptr + q_rows[:, None] + DH + c[None, :], mask=qmask, other=0.0).to(tl.float32)
+    inv_freq = tl.zeros([BLOCK_DH], tl.float32)  # the cache_index rotation's frequencies (unused otherwise)
     if ROPE:
         inv_freq = tl.load(inv_freq_ptr + c, mask=c_ok, other=0.0)
         q_idx = n_sinks + (m - r_lo) - 1      # the query's index in the cache: min(i, C-1)
@@ -242,7 +326,6 @@ def _decode_kernel(
             blk = blk0 + i  # int64 like seq_lens (a loop over [blk0, f0) would count in int32 in the interpreter)
             r = blk * BS + t
             ok = t_ok & (r >= r_lo)  # a quantized block lies wholly before m
-            kv_mask = ok[:, None] & c_ok[None, :]
             slot = h * QUANT_BLOCKS + tl.load(quant_table_ptr + b * NQ + _ring(ring0, i, NQ))  # the slot's block
             key_block = key_codes_ptr + slot * (BS * DC)     # scalar bases: one address computation per block
             value_block = value_codes_ptr + slot * (BS * DC)
@@ -251,44 +334,20 @@ def _decode_kernel(
             ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
             kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
             kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-            if FOLD_V:  # each half in one value group: scales and zeros per token, [BS] vectors
-                vs_lo = tl.load(value_scale_ptr + stats, mask=ok, other=0.0).to(tl.float32)
-                vz_lo = tl.load(value_zero_ptr + stats, mask=ok, other=0.0).to(tl.float32)
-                vs_hi = tl.load(value_scale_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
-                vz_hi = tl.load(value_zero_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
-            if FP16:  # tensor cores, every scale folded out (FOLD_V holds; the absolute contract)
-                ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, tl.float16)
-                qz = tl.sum(q_lo * kz_lo[None, :], axis=1) + tl.sum(q_hi * kz_hi[None, :], axis=1)
-                cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, tl.float16)
-                m_i, l_i, acc_lo, acc_hi = _online_update_fp16(
-                    q_lo * ks_lo[None, :], q_hi * ks_hi[None, :], qz,
-                    ck_lo, ck_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi, qk_scale)
+            if VARIANT == "fp16":
+                m_i, l_i, acc_lo, acc_hi = _block_fp16(
+                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
+                    value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS, GROUP_HI)
+            elif VARIANT == "folded":
+                m_i, l_i, acc_lo, acc_hi = _block_folded(
+                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
+                    value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo, inv_freq,
+                    DC, DH, BITS, GROUP_HI, ROPE, DOT_PRECISION)
             else:
-                k_lo, k_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS)
-                # Keys stay dequantized per element: folding the scale into q costs as much on the padded
-                # [BLOCK_G, DH] query tile (kernel_sass.py: int8 0.48 -> 0.51 warp-instr/byte, spills back).
-                k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
-                k_hi = k_hi * ks_hi[None, :] + kz_hi[None, :]
-                v_lo, v_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS)
-                if ROPE:
-                    k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
-                if FOLD_V:
-                    m_i, l_i, acc_lo, acc_hi = _online_update_codes(
-                        q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi,
-                        qk_scale, DOT_PRECISION)
-                else:
-                    st_mask = t_ok[:, None] & c_ok[None, :]
-                    grp_lo = stats[:, None] + c[None, :] // GROUP
-                    grp_hi = stats[:, None] + (DH + c[None, :]) // GROUP
-                    v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
-                            + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
-                    v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
-                            + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
-                    # codes of stale tokens are real data, but keep masked rows at exactly zero
-                    v_lo = tl.where(kv_mask, v_lo, 0.0)
-                    v_hi = tl.where(kv_mask, v_hi, 0.0)
-                    m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
-                                                              acc_lo, acc_hi, qk_scale, DOT_PRECISION)
+                m_i, l_i, acc_lo, acc_hi = _block_dequantize(
+                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
+                    value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo, inv_freq,
+                    DC, DH, BITS, GROUP, ROPE, DOT_PRECISION)
     ring0 = (f0 % FS).to(tl.int32)
     for i in range(0, blk1 - f0):
         blk = f0 + i
@@ -344,10 +403,12 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_logits_ptr, out_ptr, H_KV, G, 
 
 
 def decode_constexprs(cfg, head_dim: int, group_heads: int, splits: int, *, rope: bool, interpret: bool,
-                      fold_values: bool | None = None, fp16_dots: bool | None = None) -> dict:
+                      variant: str = "dequantize") -> dict:
     """The compile-time arguments of ``_decode_kernel`` (shared with benchmarks/kernel_sass.py)."""
-    fold_values = FOLD_VALUES if fold_values is None else fold_values
-    fp16_dots = FP16_DOTS if fp16_dots is None else fp16_dots
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
+    if variant == "fp16" and rope:  # keys turn by their own index under cache_index, which does not fold
+        raise ValueError("variant='fp16' needs the absolute contract (rotary=None); use 'folded'")
     D = head_dim
     # a value group holding a whole half: its scale and zero fold out of the per-element work
     fold_v = cfg.bits != 16 and cfg.value_group_size % (D // 2) == 0
@@ -356,10 +417,8 @@ def decode_constexprs(cfg, head_dim: int, group_heads: int, splits: int, *, rope
         BLOCK_G=max(16, triton.next_power_of_2(group_heads)), BLOCK_DH=max(16, triton.next_power_of_2(D // 2)),
         BLOCK_T=max(16, triton.next_power_of_2(cfg.block_size)), BLOCK_S=16,
         ROPE=rope, DOT_PRECISION="ieee" if interpret else "tf32",
-        FOLD_V=(fold_values or fp16_dots) and fold_v,
+        VARIANT=variant if fold_v else "dequantize",
         GROUP_HI=(D // 2) // cfg.value_group_size if cfg.bits != 16 else 0,
-        # keys fold too: they turn by their own index under cache_index, which does not fold
-        FP16=fp16_dots and fold_v and not rope,
     )
 
 
@@ -372,7 +431,8 @@ def _num_splits(batch_kv_heads: int, max_blocks: int, device: torch.device) -> i
 
 
 def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = None, rotary: Rotary | None = None,
-                     sink_logits: Tensor | None = None, num_splits: int | None = None) -> Tensor:
+                     sink_logits: Tensor | None = None, num_splits: int | None = None, variant: str = "dequantize",
+                     _poison: bool = False) -> Tensor:
     """Attention of one new query per sequence over a layer's stored sinks + recent window.
 
     q:           ``[B, H, D]``, H a multiple of the layer's Hkv (query head h reads kv head h // (H/Hkv)).
@@ -383,6 +443,9 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
                  rotated in the kernel by their index in the cache.
     sink_logits: ``[H]`` learned per-head logits adding ``exp(s_h)`` to the denominator.
     num_splits:  programs per (sequence, kv head) along the window; default fills the GPU.
+    variant:     how quantized blocks are read: "dequantize", "folded" or "fp16" (``VARIANTS``).
+    _poison:     tests: fill the partial-state workspace and the output with NaN first, so that an element
+                 the kernels forget to write fails loudly.
     Returns ``[B, H, D]`` in q's dtype.
     """
     cfg, L = layer.layout.config, layer.layout
@@ -418,11 +481,11 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         inv_freq = rotary.inv_freq.to(device=q.device, dtype=torch.float32)
     else:
         inv_freq = torch.empty(1, device=q.device, dtype=torch.float32)
-    alloc = (lambda *shape: torch.full(shape, float("nan"), device=q.device)) if POISON_WORKSPACE else \
+    alloc = (lambda *shape: torch.full(shape, float("nan"), device=q.device)) if _poison else \
         (lambda *shape: torch.empty(shape, device=q.device, dtype=torch.float32))
     part_acc = alloc(B, Hkv, splits, G, D)
     part_ml = alloc(B, Hkv, splits, G, 2)
-    consts = decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET)
+    consts = decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET, variant=variant)
     launch(_decode_kernel, (B * Hkv, splits), (
         q.contiguous(), layer.sink_k, layer.sink_v, layer.float_k, layer.float_v,
         layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import write
+from .checks import host_ints
 from .config import CacheConfig
 from .layout import WindowLayout, visible_mask
 from .ops import select_ops
@@ -44,12 +45,13 @@ class SinkQuantCache:
     "triton" (block quantization, decode and prefill attention in Triton kernels: CUDA tensors,
     or CPU tensors under TRITON_INTERPRET=1), or "auto" (Triton on CUDA when it is installed, C
     on the CPU where it applies and compiles, else torch); ``ops.select_ops`` says where each
-    applies.
+    applies. decode_variant: how the Triton decode kernel reads quantized blocks ("dequantize", "folded",
+    "fp16": ``ops.DECODE_VARIANTS``); the other backends take only the default.
     """
 
     def __init__(self, config: CacheConfig, num_layers: int, batch_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 rotary: Rotary | None = None, backend: str = "auto"):
+                 rotary: Rotary | None = None, backend: str = "auto", decode_variant: str = "dequantize"):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads)):
@@ -73,7 +75,7 @@ class SinkQuantCache:
         self.device = torch.empty(0, device=device).device
         self.dtype = dtype
         self.rotary = rotary
-        self.ops = select_ops(backend, self.device, head_dim, rotary)
+        self.ops = select_ops(backend, self.device, head_dim, rotary, decode_variant)
         self.layers = self._allocate(num_layers, batch_size, num_kv_heads, head_dim)
         self._undo: list[write.Undo | None] = [None] * num_layers  # each layer's last append
 
@@ -225,13 +227,27 @@ class SinkQuantCache:
             if 0 in lens:  # a row with no new token has no query
                 out = out.masked_fill(torch.tensor(lens, device=out.device).view(-1, 1, 1, 1) == 0, 0)
             return out
-        # prefill: what was stored before + this chunk in full precision; the chunk is stored after
-        out = self.ops.prefill(q, k, v, storage, torch.tensor(lens), scale=scale, sink_logits=sink_logits)
+        # prefill: what was stored before + this chunk in full precision; the chunk is stored after. Only the
+        # rows with more than one new token prefill (over their own longest chunk); a row with one decodes, as
+        # it would alone, over what is stored: a step's cost follows the tokens it carries, not B x T.
+        multi = [b for b, t in enumerate(lens) if t > 1]
+        single = [b for b, t in enumerate(lens) if t == 1]
+        if len(multi) == len(lens):
+            out = self.ops.prefill(q, k, v, storage, torch.tensor(lens), scale=scale, sink_logits=sink_logits)
+        else:
+            out = q.new_zeros(q.shape)
+        if multi and len(multi) < len(lens):
+            rows, T_multi = torch.tensor(multi), max(lens[b] for b in multi)
+            chunk = [_take_rows(x[:, :, :T_multi], rows) for x in (q, k, v)]
+            part = self.ops.prefill(*chunk, storage.select_rows(multi), torch.tensor([lens[b] for b in multi]),
+                                    scale=scale, sink_logits=sink_logits)
+            out[rows.to(out.device), :, :T_multi] = part
         self._undo[layer] = write.append(storage, k, v, lens, self.ops.quantizer)
-        if 1 in lens:  # a row with one new token decodes, as it would alone: over what is stored
-            one = torch.tensor(lens, device=out.device) == 1
-            decoded = self.ops.decode(q[:, :, 0], storage, scale=scale, sink_logits=sink_logits)
-            out[:, :, 0] = torch.where(one.view(-1, 1, 1), decoded, out[:, :, 0])
+        if single:
+            rows = torch.tensor(single)
+            part = self.ops.decode(_take_rows(q[:, :, 0], rows), storage.select_rows(single), scale=scale,
+                                   sink_logits=sink_logits)
+            out[rows.to(out.device), :, 0] = part
         return out
 
     def _roll_back_step(self, layer: int, before: Tensor, error: BaseException) -> None:
@@ -302,9 +318,22 @@ class SinkQuantCache:
         if real is None and int(self.layers[layer].seq_lens.min()) >= self.config.sink_tokens:
             checks = self._peaks_fit(k, v, q, sink_logits)  # the common case, every token to the window
         else:
-            checks = {"k": self._storable(layer, k, real), "v": self._storable(layer, v, real)}
+            # only the columns that hold real tokens: rows of one token read one column, the others up to
+            # their longest (a padded mixed step must not cost B x T)
+            parts = [(None, T)] if real is None else _row_groups(lens)
+            ok = {"k": [], "v": [], "q": []}
+            for rows, t in parts:
+                pick = (lambda x: x[:, :, :t]) if rows is None else (
+                    lambda x: _take_rows(x[:, :, :t], rows))
+                where = None if real is None else real[slice(None) if rows is None else rows, :t]
+                ok["k"].append(self._storable(layer, pick(k), where, rows))
+                ok["v"].append(self._storable(layer, pick(v), where, rows))
+                if q is not None:
+                    ok["q"].append(_all_finite(pick(q), where))
+            yes = torch.ones((), dtype=torch.bool, device=k.device)
+            checks = {name: torch.stack(x).all() if x else yes for name, x in ok.items()
+                      if name != "q" or q is not None}
             if q is not None:
-                checks["q"] = _all_finite(q, real)
                 if sink_logits is not None:
                     checks["sink_logits"] = ~(torch.isnan(sink_logits) | (sink_logits == float("inf"))).any()
             checks = dict(zip(checks, torch.stack(list(checks.values())).tolist()))
@@ -322,12 +351,9 @@ class SinkQuantCache:
     def _lengths(self, lengths, T: int) -> list[int]:
         B = self.batch_size
         expected = f"a 1-D int tensor (or list) of B={B} counts in [0, T={T}]"
-        try:
-            t = torch.as_tensor(lengths)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"lengths must be {expected}, got {lengths!r}") from None
-        if t.shape != (B,) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"lengths must be {expected}, got {t.dtype} of shape {tuple(t.shape)}")
+        t = host_ints("lengths", lengths, expected)
+        if t.shape != (B,):
+            raise ValueError(f"lengths must be {expected}, got shape {tuple(t.shape)}")
         lens = t.tolist()
         if min(lens) < 0 or max(lens) > T:
             raise ValueError(f"lengths must be {expected}, got {lens}")
@@ -347,12 +373,12 @@ class SinkQuantCache:
             ok["sink_logits"] = torch.amax(sink_logits).item() < math.inf
         return ok
 
-    def _storable(self, layer: int, x: Tensor, real: Tensor | None) -> Tensor:
-        """0-dim bool: the tokens of ``x`` that will be stored stay finite once cast to the dtype they
-        are stored in (a sequence's first S tokens go to its sinks in ``sink_dtype``, later ones to the
-        window in ``window_dtype``)."""
+    def _storable(self, layer: int, x: Tensor, real: Tensor | None, rows: Tensor | None = None) -> Tensor:
+        """0-dim bool: the tokens of ``x`` (the sequences ``rows``, default all) that will be stored stay finite
+        once cast to the dtype they are stored in (a sequence's first S tokens go to its sinks in
+        ``sink_dtype``, later ones to the window in ``window_dtype``)."""
         cfg, T = self.config, x.shape[2]
-        n0 = self.layers[layer].seq_lens
+        n0 = self.layers[layer].seq_lens if rows is None else self.layers[layer].seq_lens[rows]
         if real is None and int(n0.min()) >= cfg.sink_tokens:  # the common case: every token goes to the window
             return _all_finite(x.to(cfg.window_dtype) if _narrower(cfg.window_dtype, x.dtype) else x)
         pos = n0.unsqueeze(1) + torch.arange(T)                                              # [B, T] host
@@ -388,13 +414,12 @@ class SinkQuantCache:
     def _per_sequence(self, name: str, value) -> list[int]:
         """An int for every sequence, or ``[B]`` ints."""
         B = self.batch_size
-        if isinstance(value, bool) or not isinstance(value, (int, Tensor, list, tuple)):
-            raise ValueError(f"{name} must be an int or {B} ints (one per sequence), got {value!r}")
-        if isinstance(value, int):
+        expected = f"an int or {B} ints (one per sequence)"
+        if isinstance(value, int) and not isinstance(value, bool):
             return [value] * B
-        t = torch.as_tensor(value)
-        if t.shape != (B,) or t.is_floating_point() or t.dtype == torch.bool:
-            raise ValueError(f"{name} must be an int or {B} ints (one per sequence), got {value!r}")
+        t = host_ints(name, value, expected)
+        if t.shape != (B,):
+            raise ValueError(f"{name} must be {expected}, got {value!r}")
         return t.tolist()
 
     def _batch_index(self, index, allow_repeats: bool = True) -> Tensor:
@@ -418,6 +443,24 @@ class SinkQuantCache:
         if bool(((index < 0) | (index >= B)).any()) or (not allow_repeats and len(set(index.tolist())) < len(index)):
             raise ValueError(f"index must be {expected}, got rows {index.tolist()}")
         return index
+
+
+def _take_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """``x[rows]``: a view when the rows are one contiguous run (one long row beside the decoders), else a copy."""
+    first, n = int(rows[0]), len(rows)
+    if rows.tolist() == list(range(first, first + n)):
+        return x.narrow(0, first, n)
+    return x.index_select(0, rows.to(x.device))
+
+
+def _row_groups(lens: list[int]) -> list[tuple[Tensor, int]]:
+    """The rows of a ragged chunk that hold tokens, as (rows, columns to read): the rows of one token (one
+    column) and the longer ones (up to their longest); rows of none are left out."""
+    groups = []
+    for rows in ([b for b, t in enumerate(lens) if t == 1], [b for b, t in enumerate(lens) if t > 1]):
+        if rows:
+            groups.append((torch.tensor(rows), max(lens[b] for b in rows)))
+    return groups
 
 
 def _all_finite(x: Tensor, where: Tensor | None = None) -> Tensor:

@@ -17,9 +17,11 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,10 +51,20 @@ _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
 
 
+class NoCompiler(RuntimeError):
+    """There is no C compiler to run (``cc``, or ``$CC``): the expected reason to decode in PyTorch."""
+
+
+class TurnedOff(RuntimeError):
+    """``QSINKKV_C=0``."""
+
+
 def available() -> tuple[bool, str]:
     """(True, path of the library) once compiled and loaded, else (False, why not). Compiles on the
     first call on a machine (a few seconds; later processes load the cached library) and remembers
-    the answer."""
+    the answer. Warns (once) when the reason is neither a missing compiler nor ``QSINKKV_C=0``: a
+    build that fails, or a library that does not load even rebuilt, leaves ``backend="auto"`` on the
+    slower PyTorch decode."""
     global _lib, _why_not
     with _lock:
         if _lib is None and _why_not is None:
@@ -60,14 +72,20 @@ def available() -> tuple[bool, str]:
                 _lib = _load()
             except Exception as e:  # no compiler, a failed build, a library that does not load
                 _why_not = f"{type(e).__name__}: {e}"
+                if not isinstance(e, (NoCompiler, TurnedOff)):
+                    warnings.warn(f"qsinkkv: the C decode is unavailable ({_why_not}); backend='auto' decodes "
+                                  "with the slower PyTorch path on the CPU", RuntimeWarning, stacklevel=2)
     return (True, _lib._name) if _lib is not None else (False, _why_not)
 
 
 def _load() -> ctypes.CDLL:
     if os.environ.get("QSINKKV_C", "1") == "0":
-        raise RuntimeError("turned off by QSINKKV_C=0")
-    cc = os.environ.get("CC", "cc")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+        raise TurnedOff("turned off by QSINKKV_C=0")
+    cc = shlex.split(os.environ.get("CC") or "cc")  # as a shell would: CC='ccache gcc', CC='gcc -O2'
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        raise NoCompiler(f"no C compiler: {cc[0]!r} not found (install one, or set CC)") from None
     # the library holds code for this machine's CPU (-march=native): its flags are part of the key
     cpu = next((line for line in _cpuinfo() if line.startswith(("flags", "Features"))), platform.processor())
     cache = Path(os.environ.get("QSINKKV_CACHE_DIR")
@@ -75,27 +93,39 @@ def _load() -> ctypes.CDLL:
     errors = []
     for flags in (["-O3", "-march=native"], ["-O3"]):  # (some compilers take no -march=native)
         flags = [*flags, "-fopenmp-simd", "-fPIC", "-shared"]
-        key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(flags), cc, version, cpu,
+        key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(flags), " ".join(cc), version, cpu,
                                         platform.machine()]).encode()).hexdigest()[:16]
         lib = cache / f"decode_c-{key}.so"
-        if not lib.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then one atomic rename
-                built = Path(tmp) / lib.name
-                run = subprocess.run([cc, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                                     text=True)
-                if run.returncode:
-                    errors.append(f"{cc} {' '.join(flags)} failed: {run.stderr.strip()[-300:]}")
-                    continue
-                os.replace(built, lib)
-        dll = ctypes.CDLL(str(lib))
-        dll.qsinkkv_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64]
-        dll.qsinkkv_decode.restype = ctypes.c_int
-        dll.qsinkkv_args_size.restype = ctypes.c_int64
-        if dll.qsinkkv_args_size() != ctypes.sizeof(_Args):
-            raise RuntimeError("decode_c.c's Args and decode_c.py's _Args disagree")
-        return dll
+        if lib.exists():
+            try:
+                return _open(lib)
+            except (OSError, AttributeError, _StaleLibrary):  # empty, truncated, not ours: rebuilt once, below
+                pass
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then one atomic rename
+            built = Path(tmp) / lib.name
+            run = subprocess.run([*cc, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                 text=True)
+            if run.returncode:
+                errors.append(f"{' '.join(cc)} {' '.join(flags)} failed: {run.stderr.strip()[-300:]}")
+                continue
+            os.replace(built, lib)
+        return _open(lib)
     raise RuntimeError("; ".join(errors))
+
+
+class _StaleLibrary(RuntimeError):
+    pass
+
+
+def _open(lib: Path) -> ctypes.CDLL:
+    dll = ctypes.CDLL(str(lib))
+    dll.qsinkkv_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64]
+    dll.qsinkkv_decode.restype = ctypes.c_int
+    dll.qsinkkv_args_size.restype = ctypes.c_int64
+    if dll.qsinkkv_args_size() != ctypes.sizeof(_Args):
+        raise _StaleLibrary(f"{lib}: decode_c.c's Args and decode_c.py's _Args disagree")
+    return dll
 
 
 def _cpuinfo() -> list[str]:

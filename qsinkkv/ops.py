@@ -30,6 +30,11 @@ from .prefill import prefill_attention_reference, prefill_attention_torch
 from .rope import Rotary
 
 BACKENDS = ("auto", "torch", "c", "triton")
+# How the Triton decode kernel reads a quantized block (kernels/decode_attention.py, one helper each):
+# "dequantize" (the default: per element), "folded" (value scales folded into the probabilities), "fp16"
+# (every scale folded out, fp16 tensor-core dots; absolute positions only). Triton only: the torch and
+# c backends have one decode each and refuse the others.
+DECODE_VARIANTS = ("dequantize", "folded", "fp16")
 
 
 @dataclass(frozen=True)
@@ -40,18 +45,22 @@ class Ops:
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
 
 
-def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None) -> Ops:
+def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None,
+               decode_variant: str = "dequantize") -> Ops:
     """backend: "torch" (PyTorch ops), "c" (the torch backend with decode attention in C: CPU tensors,
     absolute positions, a C compiler on the machine), "triton" (CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1), or "auto" (Triton on CUDA when it is installed and head_dim % 4 == 0; on the
-    CPU "c" where it applies and compiles, else torch). ``rotary`` (the ``cache_index`` contract) is
-    bound into the ops here."""
+    CPU "c" where it applies and compiles, else torch). ``rotary`` (the ``cache_index`` contract) and
+    ``decode_variant`` (one of ``DECODE_VARIANTS``, checked by ``check_decode_variant``) are bound into the
+    ops here."""
     backend = resolve_backend(backend, device, head_dim, rotary)
+    check_decode_variant(decode_variant, backend, rotary)
     if backend == "c":
         return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch)
     if backend == "triton":
         from . import kernels
-        return Ops("triton", kernels, functools.partial(kernels.decode_attention, rotary=rotary),
+        return Ops("triton", kernels,
+                   functools.partial(kernels.decode_attention, rotary=rotary, variant=decode_variant),
                    functools.partial(kernels.prefill_attention, rotary=rotary))
     # the CPU decode's products and SDPA's prefill need keys at their final rotation; under cache_index
     # each key turns by its index
@@ -59,6 +68,22 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
         return Ops("torch", quant, decode_attention_torch, prefill_attention_torch)
     return Ops("torch", quant, functools.partial(decode_attention_reference, rotary=rotary),
                functools.partial(prefill_attention_reference, rotary=rotary))
+
+
+def check_decode_variant(decode_variant: str, backend: str | None = None, rotary: Rotary | None = None) -> None:
+    """Refuse a ``decode_variant`` that is not one of ``DECODE_VARIANTS``, that the (resolved) ``backend``
+    has no such body for (torch and c: only the default), or that cannot apply under the ``cache_index``
+    contract (``rotary`` given: "fp16" folds the key scales into the query, a key turning by its own index
+    does not)."""
+    if decode_variant not in DECODE_VARIANTS:
+        raise ValueError(f"decode_variant must be one of {', '.join(map(repr, DECODE_VARIANTS))}, "
+                         f"got {decode_variant!r}")
+    if backend is not None and backend not in ("auto", "triton") and decode_variant != DECODE_VARIANTS[0]:
+        raise ValueError(f"decode_variant={decode_variant!r} selects a body of the Triton decode kernel; "
+                         f"backend={backend!r} has one decode: use decode_variant='dequantize' or backend='triton'")
+    if rotary is not None and decode_variant == "fp16":
+        raise ValueError("decode_variant='fp16' needs positions='absolute' (under 'cache_index' each key turns by "
+                         "its own index in the kernel, which does not fold into the query): use 'folded'")
 
 
 def resolve_backend(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None = None) -> str:

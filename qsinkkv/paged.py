@@ -25,12 +25,14 @@ a step that would need more blocks than are free raises ``PoolExhausted`` before
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .cache import SinkQuantCache
+from .checks import host_ints
 from .config import CacheConfig
 from .layout import WindowLayout, cdiv
 from .rope import Rotary
@@ -72,7 +74,8 @@ class PagedCache(SinkQuantCache):
 
     def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int, *,
                  max_seqs: int, float_blocks: int, quant_blocks: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, rotary: Rotary | None = None, backend: str = "auto"):
+                 dtype: torch.dtype = torch.bfloat16, rotary: Rotary | None = None, backend: str = "auto",
+                 decode_variant: str = "dequantize"):
         layout = WindowLayout(config) if isinstance(config, CacheConfig) else None
         for name, value, least in (("max_seqs", max_seqs, 1),
                                    ("float_blocks", float_blocks, layout.float_slots if layout else 0),
@@ -81,7 +84,7 @@ class PagedCache(SinkQuantCache):
                 raise ValueError(f"{name} must be an int >= {least} (one sequence's ring), got {value!r}")
         self._sizes = {"sink": max_seqs, "float": float_blocks, "quant": quant_blocks}
         super().__init__(config, num_layers, max_seqs, num_kv_heads, head_dim, device=device, dtype=dtype,
-                         rotary=rotary, backend=backend)
+                         rotary=rotary, backend=backend, decode_variant=decode_variant)
         # LIFO free lists: a released block is the next one taken (warm in cache)
         self._free = {kind: list(range(n - 1, -1, -1)) for kind, n in self._sizes.items()}
         # the block tables as edited, on the host (the layers read device copies), and how many ring slots
@@ -106,6 +109,11 @@ class PagedCache(SinkQuantCache):
         if full < 1:
             raise ValueError(f"pool_bytes must be an int >= {per_seq} (one sequence at capacity {config.capacity} "
                              f"over {num_layers} layers), got {pool_bytes!r}")
+        device = torch.empty(0, device=kwargs.get("device", "cpu")).device
+        limit = device_bytes(device)
+        if limit is not None and pool_bytes > limit:
+            raise ValueError(f"pool_bytes={pool_bytes} is more than {device} has ({limit} bytes): the largest pool "
+                             f"this device can hold is under {limit} bytes")
         max_seqs = full if max_seqs is None else max_seqs
         if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
             raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
@@ -191,7 +199,9 @@ class PagedCache(SinkQuantCache):
     def reserve(self, lengths) -> StepMetadata:
         """Take the blocks a step of ``lengths[b]`` new tokens per sequence will write (all or none:
         ``PoolExhausted`` leaves the pool as it was), and describe the step. ``attend`` and ``append``
-        reserve by themselves; call this to schedule (or to fail) before the model runs.
+        reserve by themselves; call this to schedule (or to fail) before the model runs. The blocks are
+        held until the next step, which keeps only what its own lengths need (a step that brings fewer
+        tokens than reserved gives the rest back), so held blocks never outlive what the lengths need.
 
         lengths: ``[B]`` in row order, or a dict ``{seq_id: new tokens}`` (absent ids: 0)."""
         if isinstance(lengths, dict):
@@ -205,23 +215,37 @@ class PagedCache(SinkQuantCache):
         return self._metadata(lens)
 
     def _reserve(self, layer: int, lens: list[int]) -> None:
+        """Hold exactly the blocks this step needs: what ``layer`` holds after it, or what a layer that already
+        took the step holds. Blocks an earlier ``reserve`` took for more tokens than the step brings go back
+        (they hold nothing yet), so a reservation lasts until the next step and never starves others."""
         if not self.batch_size:
             raise ValueError("the cache holds no sequence: admit() one first")
-        need = self._needed([n + t for n, t in zip(self.layers[layer].seq_lens.tolist(), lens)])
-        grow = {kind: [(b, self._held[kind][b], n) for b, n in enumerate(need[kind]) if n > self._held[kind][b]]
+        after = [max(longest, n + t) for longest, n, t in
+                 zip(self._longest(), self.layers[layer].seq_lens.tolist(), lens)]
+        need = self._needed(after)
+        held = self._held
+        grow = {kind: [(b, held[kind][b], n) for b, n in enumerate(need[kind]) if n > held[kind][b]]
                 for kind in ("float", "quant")}
+        shrink = {kind: [(b, n, held[kind][b]) for b, n in enumerate(need[kind]) if n < held[kind][b]]
+                  for kind in ("float", "quant")}
         count = {kind: sum(n - h for _, h, n in rows) for kind, rows in grow.items()}
-        if any(count[kind] > len(self._free[kind]) for kind in count):
+        free = {kind: len(self._free[kind]) + sum(h - n for _, n, h in shrink[kind]) for kind in count}
+        if any(count[kind] > free[kind] for kind in count):
             raise PoolExhausted(
                 "the pool has too few free blocks for this step: it needs "
-                + ", ".join(f"{count[k]} more {k} blocks ({len(self._free[k])} free)" for k in count)
+                + ", ".join(f"{count[k]} more {k} blocks ({free[k]} free)" for k in count)
                 + "; release a sequence or give it fewer new tokens")
-        if not any(grow.values()):  # (every layer after the first, and most steps)
+        if not any(grow.values()) and not any(shrink.values()):  # (every layer after the first, and most steps)
             return
+        for kind, rows in shrink.items():
+            for b, n, h in rows:
+                self._give(kind, self._host[kind][b, n:h].tolist())
+                self._host[kind][b, n:h] = -1
+                held[kind][b] = n
         for kind, rows in grow.items():
             for b, h, n in rows:
                 self._host[kind][b, h:n] = torch.tensor([self._free[kind].pop() for _ in range(n - h)])
-                self._held[kind][b] = n
+                held[kind][b] = n
         self._push_tables()
 
     def _release_unneeded(self) -> None:
@@ -289,14 +313,16 @@ class PagedCache(SinkQuantCache):
         """``attend`` on packed tokens: ``q [N, H, D]``, ``k, v [N, Hkv, D]``, row b's new tokens at
         ``[query_start_loc[b], query_start_loc[b+1])`` -> ``[N, H, D]``."""
         B = self.batch_size
+        if not B:
+            raise ValueError("the cache holds no sequence: admit() one first")
         expected = f"a 1-D int tensor of B + 1 = {B + 1} offsets from 0 to N, non-decreasing"
-        qsl = torch.as_tensor(query_start_loc)
+        qsl = host_ints("query_start_loc", query_start_loc, expected)
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, Tensor) or x.ndim != 3:
                 raise ValueError(f"{name} must be a packed [N, heads, D] tensor, got "
                                  f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
         N = q.shape[0]
-        if (qsl.shape != (B + 1,) or qsl.is_floating_point() or qsl.dtype == torch.bool or int(qsl[0]) != 0
+        if (qsl.shape != (B + 1,) or int(qsl[0]) != 0
                 or int(qsl[-1]) != N or bool((qsl.diff() < 0).any()) or k.shape[0] != N or v.shape[0] != N):
             raise ValueError(f"query_start_loc must be {expected} (N = {N} rows of q, k and v), got "
                              f"{qsl.tolist() if qsl.ndim == 1 else qsl}")
@@ -308,6 +334,19 @@ class PagedCache(SinkQuantCache):
         pad = lambda x: x[rows].transpose(1, 2) if N else x.new_zeros(B, x.shape[1], T, x.shape[2])  # noqa: E731
         out = self.attend(layer, pad(q), pad(k), pad(v), lens, scale=scale, sink_logits=sink_logits)
         return out.transpose(1, 2)[real.to(out.device)]
+
+
+def device_bytes(device: torch.device) -> int | None:
+    """The memory of ``device`` in bytes (a CUDA device's total, the host's physical memory for the CPU),
+    or None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # (no sysconf: Windows)
+            return None
+    return None
 
 
 def block_bytes(config: CacheConfig, num_kv_heads: int, head_dim: int) -> dict[str, int]:

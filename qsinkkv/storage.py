@@ -131,6 +131,14 @@ class LayerStorage:
         return replace(self, sink_table=self.sink_table[b:b + 1], float_table=self.float_table[b:b + 1],
                        quant_table=self.quant_table[b:b + 1], seq_lens=self.seq_lens[b:b + 1], dense=False)
 
+    def select_rows(self, rows: list[int]) -> LayerStorage:
+        """Sequences ``rows`` (any subset, in that order), for reading: the same pools, read through their
+        table rows (copies, as are the lengths: writing through the result does not write this storage)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        on_device = index.to(self.sink_table.device)
+        return replace(self, sink_table=self.sink_table[on_device], float_table=self.float_table[on_device],
+                       quant_table=self.quant_table[on_device], seq_lens=self.seq_lens[index], dense=False)
+
     def part(self, heads: slice, rows: slice) -> LayerStorage:
         """KV heads ``heads`` of sequences ``rows`` (contiguous ranges), for reading: views of the pools
         (head-major, so a range of heads is one slice; a dense storage stays dense, its sequences'

@@ -55,12 +55,15 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
         return Undo(before, [])
     if len(set(n0)) == 1 and len(set(lengths)) == 1:
         parts = [(storage, k[:, :, :lengths[0]], v[:, :, :lengths[0]])] if lengths[0] else []
+        ones = []
     elif max(lengths) == 1:  # a decode step of sequences of different lengths: every row at once
         return Undo(before, _append_one_token(storage, k, v, [b for b, t in enumerate(lengths) if t], quantizer))
-    else:
-        parts = [(storage.rows(b), k[b:b + 1, :, :t], v[b:b + 1, :, :t]) for b, t in enumerate(lengths) if t]
+    else:  # a ragged chunk: rows with one token in one indexed write, the others row by row
+        parts = [(storage.rows(b), k[b:b + 1, :, :t], v[b:b + 1, :, :t]) for b, t in enumerate(lengths) if t > 1]
+        ones = [b for b, t in enumerate(lengths) if t == 1]
     plans = [_plan(s, kk, vv, quantizer) for s, kk, vv in parts]  # may raise: nothing written yet
-    saved = []
+    # (it quantizes before it writes, so it may raise with nothing written too)
+    saved = _append_one_token(storage, k, v, ones, quantizer) if ones else []
     for plan in plans:
         saved += _commit(plan)
     return Undo(before, saved)

@@ -1,6 +1,7 @@
-"""The benchmarks that benchmarks/gpu_check.sh runs on a GPU, and generate.py (whose CPU table times the
-attention calls apart), run here at tiny sizes on the CPU so that they cannot rot unseen: each exits 0,
-prints its table header and writes its JSON."""
+"""The benchmarks run here at tiny sizes on the CPU so that they cannot rot unseen: each exits 0, prints its
+table header and writes its JSON. Their CPU paths directly; their GPU paths through benchmarks/gpu_check.sh
+itself (``GPU_CHECK_TINY=1``: every step on CPU tensors, the Triton kernels in Triton's interpreter, the
+benchmarks' ``--interpret``), and generate.py's with ``--interpret``: a stale call in a GPU branch fails here."""
 import json
 import os
 import subprocess
@@ -16,15 +17,26 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 CASES = {  # script and tiny arguments -> the table header it must print
     "e2e_decode": (["e2e_decode.py", "--tiny", "--device", "cpu"],
                    "| cache | ms/step | x StaticCache | KV bytes/seq |"),
-    "prefill": (["prefill.py", "--lengths", "256", "--capacity", "128", "--reps", "1"],
+    "prefill": (["prefill.py", "--context", "256", "--capacity", "128", "--reps", "1"],
                 "| T | qsinkkv ms | qsinkkv ms / 1k tokens | causal SDPA ms | SDPA ms / 1k tokens |"),
-    "prefill_llama_bf16": (["prefill.py", "--shape", "llama", "--dtype", "bfloat16", "--lengths", "256",
+    "prefill_llama_bf16": (["prefill.py", "--shape", "llama", "--dtype", "bfloat16", "--context", "256",
                             "--capacity", "128", "--reps", "1"], "| T | qsinkkv ms |"),
-    "decode_attention": (["decode_attention.py", "--lengths", "256", "--batches", "1", "--shapes", "smollm2",
+    "decode_attention": (["decode_attention.py", "--context", "256", "--batch", "1", "--shapes", "smollm2",
                           "--reps", "2"], "| shape | L | B | sdpa ms | sdpa-gqa ms |"),
-    "generate": (["generate.py", "--contexts", "64", "--new", "2"],
+    "generate": (["generate.py", "--context", "64", "--new", "2"],
                  "| context | cache | ms/token | x dyn | attn ms | attn x dyn | cache bytes |"),
+    # the GPU path (no attention split, a synchronize per step) with the Triton backend, interpreted
+    "generate_interpret": (["generate.py", "--context", "16", "--new", "1", "--backend", "triton", "--bits", "4",
+                            "--baselines", "--interpret"], "| context | cache | ms/token |"),
 }
+
+
+def env(**extra):
+    """The qsinkkv this test imports (a script's own directory would come first on its sys.path); one thread:
+    a smoke test, not a measurement."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(qsinkkv.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1", **extra)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -33,13 +45,9 @@ def test_benchmark_runs_tiny(case, tmp_path):
         pytest.importorskip("transformers")
     argv, header = CASES[case]
     out = tmp_path / "out.json"
-    # the qsinkkv this test imports (a script's own directory would come first on its sys.path);
-    # one thread: a smoke test, not a measurement
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(qsinkkv.__file__).parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    extra = {"TRITON_INTERPRET": "1"} if "--interpret" in argv else {}
     proc = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:], "--json", str(out)],
-                          capture_output=True, text=True, timeout=120, env=env, check=False)
+                          capture_output=True, text=True, timeout=120, env=env(**extra), check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert header in proc.stdout, proc.stdout
     rows = json.loads(out.read_text())["rows"]
@@ -52,4 +60,34 @@ def test_benchmark_runs_tiny(case, tmp_path):
         assert all(0 < r["attn_ms_per_token"] < r["ms_per_token"] for r in rows), rows
         assert all(r["attn_ms_per_token"] > 0.05 * r["ms_per_token"] for r in rows if "QSinkKV" in r["cache"]), rows
         return
+    if case == "generate_interpret":
+        assert [r["cache"] for r in rows] == ["DynamicCache", "QSinkKVCache int4 (C=18, triton)"]
+        assert not any("attn_ms_per_token" in r for r in rows)  # the GPU path: no split
+        return
     assert rows and len(rows) == (3 if case == "e2e_decode" else 1)
+
+
+def test_gpu_check_tiny(tmp_path):
+    """benchmarks/gpu_check.sh itself, every step at tiny sizes on the CPU (``GPU_CHECK_TINY=1``): each step
+    exits 0 and each benchmark writes its rows, the GPU code paths of decode_attention.py (every decode
+    variant), prefill.py and e2e_decode.py included."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path)], capture_output=True, text=True,
+                          timeout=240, env=env(GPU_CHECK_TINY="1"), check=False)
+    steps = (tmp_path / "steps.txt").read_text() if (tmp_path / "steps.txt").exists() else ""
+    failed = [line.split()[0] for line in steps.splitlines() if " rc=0 " not in line]
+    logs = "\n".join(f"--- {name}\n{(tmp_path / name).read_text()[-3000:]}" for name in failed)
+    assert proc.returncode == 0 and not failed, steps + logs + proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = ["tests.log", "decode_attention.md", "decode_attention_folded.md", "decode_attention_fp16.md",
+             "prefill.md", "e2e_decode.md"]
+    assert [line.split()[0] for line in steps.splitlines()] == names
+    assert "2 passed" in (tmp_path / "tests.log").read_text()
+    for name in ("decode_attention", "decode_attention_folded", "decode_attention_fp16"):
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert result["device"] == "cpu (Triton interpreter)" and len(result["rows"]) == 1, name
+        assert result["decode_variant"] == (name.removeprefix("decode_attention").strip("_") or "dequantize")
+        assert all(result["rows"][0][f"int{bits}_ms"] > 0 for bits in (16, 8, 4))
+    assert "x sdpa | torch ms | x torch |" in (tmp_path / "prefill.md").read_text()  # the GPU table
+    assert len(json.loads((tmp_path / "prefill.json").read_text())["rows"]) == 1
+    e2e = json.loads((tmp_path / "e2e_decode.json").read_text())["rows"]
+    assert [r["cache"] for r in e2e] == ["static", "dynamic", "qsinkkv"] and not any("error" in r for r in e2e)

@@ -128,3 +128,21 @@ def test_sigterm_while_writing_cleans_up(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_tune_budget_below_one_byte_is_printed_as_asked():
+    """--budget 1.5 is 1.5 bytes/token (any plain number above 1): the messages say 1.5, not a rounded 2."""
+    from qsinkkv import CacheConfig
+    from qsinkkv.eval import footprint, frontier
+
+    budget = frontier.Budget.parse("1.5")
+    assert budget.bytes_per_token == 1.5
+    geo = footprint.Geometry(2, 1, 16)
+    with pytest.raises(ValueError) as e:
+        frontier.check_budget([CacheConfig(sink_tokens=1, recent_tokens=15, bits=4, block_size=8,
+                                           value_group_size=16)], budget, geo, 16)
+    assert "no configuration of the grid fits 1.5 bytes/token" in str(e.value)
+    best = dict(kl=0.01, ppl=10.0, delta_pct=1.0, memory=dict(bytes_per_token=1.0, bf16_fraction=0.001))
+    r = dict(budget=dict(text="1.5", limit_bytes_per_token=1.5), capacity=16, within=1, considered=1,
+             config_line="CacheConfig()", best=best, tokens=16, positions="absolute")
+    assert report.tune_summary(r).startswith("budget 1.5: 1.5 bytes/token at capacity 16")

@@ -2,6 +2,11 @@
 float64 oracle: every bits and dtype, ragged and paged batches, bit-identical rows alone and on
 any thread, and how the backend is chosen when C is not at hand. (Every layout of the kernel tests,
 beside the PyTorch CPU path: ``tests/test_kernels.py::test_cpu_decode_matches_reference_and_rows_alone``.)"""
+import os
+import subprocess
+import sys
+import warnings
+
 import pytest
 import torch
 from test_attention import run_stream
@@ -115,3 +120,40 @@ def test_backend_choice_and_refusals(monkeypatch, tmp_path):
     monkeypatch.setenv("QSINKKV_C", "0")
     with pytest.raises(RuntimeError, match="turned off by QSINKKV_C=0"):
         decode_c._load()
+
+
+def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path):
+    """Issue 24.4: an empty or truncated cached .so made available() say "file too short" for good."""
+    # each load in its own process, as in life (truncating a library this process has mapped would crash it)
+    env = dict(os.environ, QSINKKV_CACHE_DIR=str(tmp_path))
+    load = [sys.executable, "-c", "from qsinkkv import decode_c; print(decode_c.available())"]
+    assert "(True," in subprocess.run(load, env=env, capture_output=True, text=True, check=True).stdout
+    (lib,) = tmp_path.glob("decode_c-*.so")
+    good = lib.read_bytes()
+    for broken in (b"", good[:100]):
+        lib.write_bytes(broken)
+        run = subprocess.run(load, env=env, capture_output=True, text=True, check=True)
+        assert "(True," in run.stdout and lib.stat().st_size == len(good), run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("cc", ["cc -O2", "env cc"])
+def test_cc_with_arguments_is_split_as_a_shell_would(monkeypatch, tmp_path, cc):
+    """Issue 24.9: CC='gcc -O2' (or 'ccache gcc') was taken as one program name."""
+    monkeypatch.setenv("QSINKKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", cc)
+    assert decode_c._load().qsinkkv_args_size() > 0
+
+
+def test_auto_warns_when_it_falls_back_for_a_reason_but_no_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("QSINKKV_CACHE_DIR", str(tmp_path))
+    for cc, warns in (("false", True), ("/no/such/compiler", False)):
+        monkeypatch.setenv("CC", cc)
+        monkeypatch.setattr(decode_c, "_lib", None)
+        monkeypatch.setattr(decode_c, "_why_not", None)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ok, why = decode_c.available()
+        assert not ok
+        assert any("C decode is unavailable" in str(w.message) for w in seen) == warns, (cc, why)
+        if not warns:
+            assert why.startswith("NoCompiler: no C compiler: '/no/such/compiler' not found")

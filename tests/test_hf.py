@@ -73,7 +73,7 @@ def test_absolute_stream_matches_dense_masked_forward(lm, impl, prefill):
     ids = ids[:, :100]
     with torch.no_grad():
         ref = use(model, "test_dense_sink_window")(ids, use_cache=False).logits
-        cache = QSinkKVCache(CacheConfig(sink_tokens=S, recent_tokens=W, bits=16, **F32), model.config)
+        cache = QSinkKVCache(CacheConfig(sink_tokens=S, recent_tokens=W, bits=16, **F32), model)
         got = stream_logits(use(model, impl), ids, cache, prefill=prefill)
     assert cache.get_seq_length() == 100
     assert (got - ref).abs().max().item() <= 1e-3
@@ -287,6 +287,71 @@ def test_portable_mode_refuses_a_left_padded_prompt(lm):
     assert cache.get_seq_length() == 0
 
 
+@pytest.mark.parametrize("pad_id", ["eos", 1234])
+def test_portable_mode_refuses_a_padded_mask_without_position_ids(lm, pad_id):
+    """Issue 24.1: a left-padded prompt fed by hand (no position_ids: the model numbers the columns, as the
+    cache does) with its mask: the pads would become sinks past the capacity, the logits moving with the
+    pad id. Refused at the prompt, nothing stored; the same run unpadded streams past the capacity."""
+    model, tok, ids = lm
+    use(model, "sdpa")
+    pad = tok.eos_token_id if pad_id == "eos" else pad_id
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=12, bits=16)
+    prompt = torch.cat((torch.full((1, 3), pad), ids[:, :9]), dim=1)
+    mask = torch.cat((torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)), dim=1)
+    cache = QSinkKVCache(cfg, model)
+    with torch.no_grad(), pytest.raises(ValueError, match="attention_mask has pads"):
+        model(prompt, attention_mask=mask, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and cache.inner.layer_lengths() == [0] * model.config.num_hidden_layers
+    with torch.no_grad():  # an all-ones mask is no padding: the stream goes on past the capacity (16)
+        mask = torch.ones(1, 9, dtype=torch.long)
+        model(ids[:, :9], attention_mask=mask, cache=cache, use_cache=True)
+        for i in range(9, 30):
+            mask = torch.cat((mask, torch.ones(1, 1, dtype=torch.long)), dim=1)
+            model(ids[:, i:i + 1], attention_mask=mask, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 30
+
+
+def test_portable_mode_built_from_the_config_stops_at_the_capacity(lm):
+    """Built with model.config the cache cannot see the masks, so it cannot rule out pads: within the
+    capacity it runs (the model's own mask is exact there), past it the step is refused in layer 0."""
+    model, _, ids = lm
+    use(model, "sdpa")
+    cache = QSinkKVCache(CacheConfig(sink_tokens=4, recent_tokens=12, bits=16), model.config)
+    with torch.no_grad():
+        model(ids[:, :16], cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"QSinkKVCache\(config, model\)"):
+            model(ids[:, 16:17], cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 16 and cache.inner.layer_lengths() == [16] * model.config.num_hidden_layers
+
+
+def test_pool_backed_cache_refuses_beam_search_by_name(lm):
+    """Issue 24.8: generate(num_beams=2) over a pool-backed cache gets the README's message, not a shape error."""
+    from qsinkkv.paged import PagedCache
+    model, _, ids = lm
+    use(model, "qsinkkv")
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=12, bits=16)
+    text = model.config
+    pool = PagedCache(cfg, text.num_hidden_layers, text.num_key_value_heads, 64, max_seqs=2, float_blocks=4,
+                      quant_blocks=4, dtype=torch.float32)
+    pool.admit()
+    cache = QSinkKVCache(cfg, model, pool=pool)
+    with torch.no_grad(), pytest.raises(ValueError, match="cannot repeat sequences.*without pool="):
+        model.generate(ids[:, :6], cache=cache, num_beams=2, max_new_tokens=3, do_sample=False)
+    assert pool.seq_lens().tolist() == [0]
+
+
+@pytest.mark.parametrize("rope", [None, {}, {"rope_type": "default"}])
+def test_cache_index_without_rope_theta_names_it(lm, rope):
+    """Issue 24.7: rope_parameters with no rope_theta: a KeyError before."""
+    model, _, _ = lm
+    cfg = copy.deepcopy(model.config)
+    cfg.rope_parameters = rope
+    if hasattr(cfg, "rope_theta"):
+        del cfg.rope_theta
+    with pytest.raises(ValueError, match="rope_theta"):
+        QSinkKVCache(CacheConfig(positions="cache_index"), cfg)
+
+
 def _blow_up_keys(factor):
     def hook(module, args, out):
         return out * factor
@@ -302,7 +367,7 @@ def test_refusal_in_layer_5_rolls_back_the_step(lm, impl, factor):
     model, _, ids = lm
     use(model, impl)
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=1, value_group_size=32)
-    cache, twin = QSinkKVCache(cfg, model.config), QSinkKVCache(cfg, model.config)
+    cache, twin = QSinkKVCache(cfg, model), QSinkKVCache(cfg, model)
     with torch.no_grad():
         for c in (cache, twin):
             model(ids[:, :8], cache=c, use_cache=True)

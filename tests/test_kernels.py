@@ -4,6 +4,8 @@ On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set in conftest.
 on a CUDA machine the same tests run natively.
 """
 import copy
+import dataclasses
+import functools
 import importlib
 
 import pytest
@@ -15,30 +17,42 @@ from test_reliability import assert_same_state
 from triton.runtime.errors import OutOfResources
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, quant
+from qsinkkv import ops as ops_mod
 from qsinkkv.kernels import decode_attention, decode_attention_reference
 from qsinkkv.kernels import quantize as kq
+from qsinkkv.ops import select_ops
 
 decode_mod = importlib.import_module("qsinkkv.kernels.decode_attention")  # the module, not the function
 launch_mod = importlib.import_module("qsinkkv.kernels.launch")
 prefill_mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
 
 
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(decode_mod, "POISON_WORKSPACE", True)
+def decode(q, layer, **kwargs):
+    """The decode kernel as these tests launch it: its partial-state workspace and output filled with NaN
+    first (``_poison``), so that any element a kernel forgets to write fails loudly."""
+    return decode_attention(q, layer, _poison=True, **kwargs)
+
+
+def poisoned(cache):
+    """``cache`` with its decode op launching as ``decode`` does."""
+    cache.ops = dataclasses.replace(cache.ops, decode=functools.partial(cache.ops.decode, _poison=True))
+    return cache
 
 
 FP16_TOL = 3e-3  # fp16 tensor-core operands, in the interpreter as on a GPU (issue 11's bound)
 
 
-@pytest.fixture(params=["dequantized", "folded", "fp16"])
-def kernel_path(request, monkeypatch):
-    """The decode kernel's paths for quantized blocks: dequantize per element, the value scales
-    folded out (QSINKKV_FOLD_VALUES), or every scale folded out with fp16 tensor-core dots
-    (QSINKKV_FP16_DOTS). Returns the tolerance that path is held to against the reference."""
-    monkeypatch.setattr(decode_mod, "FOLD_VALUES", request.param == "folded")
-    monkeypatch.setattr(decode_mod, "FP16_DOTS", request.param == "fp16")
-    return max(KERNEL_TOL, FP16_TOL) if request.param == "fp16" else KERNEL_TOL
+@pytest.fixture(params=list(decode_mod.VARIANTS))
+def variant(request):
+    """The decode kernel's bodies for quantized blocks (``decode_attention(variant=...)``): dequantize per
+    element, the value scales folded out ("folded"), or every scale folded out with fp16 tensor-core dots
+    ("fp16")."""
+    return request.param
+
+
+def tol(variant):
+    """The tolerance a decode variant is held to against the reference."""
+    return max(KERNEL_TOL, FP16_TOL) if variant == "fp16" else KERNEL_TOL
 
 
 # --- block quantize + pack: codes, scales and zeros bit-identical ----------------------------
@@ -140,7 +154,7 @@ CASES = [
 
 @pytest.mark.parametrize("rope", [False, True], ids=["absolute", "cache_index"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
-def test_decode_matches_reference(kernel_path, case, rope):
+def test_decode_matches_reference(variant, case, rope):
     bits, S, W, bs, group, R, Hkv, G, lengths = case
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
                       residual_tokens=R, positions="cache_index" if rope else "absolute")
@@ -153,23 +167,27 @@ def test_decode_matches_reference(kernel_path, case, rope):
         own = decode_attention_reference(q[b:b + 1], single, rotary=rotary)
         assert rel_rms(ref[b:b + 1], own) < 1e-6
     dev_layer = on_device(layer)
+    if rope and variant == "fp16":  # keys turn by their own index: their scales cannot fold into the query
+        with pytest.raises(ValueError, match=r"variant='fp16' needs the absolute contract \(rotary=None\)"):
+            decode(q.to(DEVICE), dev_layer, rotary=rotary, variant=variant)
+        return
     for splits in (1, 3):
-        out = decode_attention(q.to(DEVICE), dev_layer, rotary=rotary, num_splits=splits).cpu()
+        out = decode(q.to(DEVICE), dev_layer, rotary=rotary, num_splits=splits, variant=variant).cpu()
         assert torch.isfinite(out).all()
-        assert rel_rms(out, ref) < kernel_path, f"splits={splits}: {rel_rms(out, ref):.2e}"
+        assert rel_rms(out, ref) < tol(variant), f"splits={splits}: {rel_rms(out, ref):.2e}"
 
 
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
-def test_decode_gqa_and_sink_logits(kernel_path, G):
+def test_decode_gqa_and_sink_logits(variant, G):
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
     layer, _ = filled_layer(cfg, [23, 11], 2, seed=G)
     q = torch.randn(2, 2 * G, D)
     logits = torch.randn(2 * G) * 2
     for sink_logits in (None, logits):
         ref = decode_attention_reference(q, layer, sink_logits=sink_logits)
-        out = decode_attention(q.to(DEVICE), on_device(layer),
-                               sink_logits=None if sink_logits is None else sink_logits.to(DEVICE), num_splits=2)
-        assert rel_rms(out.cpu(), ref) < kernel_path
+        out = decode(q.to(DEVICE), on_device(layer), sink_logits=None if sink_logits is None else
+                     sink_logits.to(DEVICE), num_splits=2, variant=variant)
+        assert rel_rms(out.cpu(), ref) < tol(variant)
     no_logits = decode_attention_reference(q, layer)
     assert rel_rms(no_logits, ref) > 1e-3  # the logits do change the output
 
@@ -178,7 +196,7 @@ def test_decode_bf16_query_and_scale():
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=8, block_size=8, value_group_size=8)
     layer, _ = filled_layer(cfg, [70], 2)
     q = torch.randn(1, 4, D).to(torch.bfloat16)
-    out = decode_attention(q.to(DEVICE), on_device(layer), scale=0.3)
+    out = decode(q.to(DEVICE), on_device(layer), scale=0.3)
     assert out.dtype == torch.bfloat16
     ref = decode_attention_reference(q.float(), layer, scale=0.3)
     assert rel_rms(out.float().cpu(), ref) < 1e-2  # bf16 output rounding
@@ -189,11 +207,11 @@ def test_decode_bad_arguments():
     layer, _ = filled_layer(cfg, [9], 2)
     layer = on_device(layer)
     with pytest.raises(ValueError, match=r"q must be \[B=1, H, D=16\] with H a multiple of Hkv=2"):
-        decode_attention(torch.randn(1, 3, D, device=DEVICE), layer)
+        decode(torch.randn(1, 3, D, device=DEVICE), layer)
     with pytest.raises(ValueError, match=r"sink_logits must be a tensor of shape \[H=2\]"):
-        decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, sink_logits=torch.zeros(3, device=DEVICE))
+        decode(torch.randn(1, 2, D, device=DEVICE), layer, sink_logits=torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
-        decode_attention(torch.randn(1, 2, D, device=DEVICE), layer, num_splits=0)
+        decode(torch.randn(1, 2, D, device=DEVICE), layer, num_splits=0)
 
 
 class SharedMemoryShort:
@@ -221,7 +239,7 @@ def test_decode_fewer_stages_where_shared_memory_is_short(monkeypatch):
     monkeypatch.setattr(launch_mod, "_fitting", {})
     for fits in (2, 2, 1):  # the last: what fitted no longer does (say, another process took memory)
         monkeypatch.setattr(decode_mod, "_decode_kernel", SharedMemoryShort(real, fits, log))
-        out = decode_attention(q.to(DEVICE), on_device(layer), num_splits=2)
+        out = decode(q.to(DEVICE), on_device(layer), num_splits=2)
         assert rel_rms(out.cpu(), ref) < KERNEL_TOL
     assert log == [3, 2, 2, 2, 1]  # the first launch finds what fits, later ones start there and go lower
 
@@ -231,7 +249,8 @@ def test_decode_refused_where_no_stages_fit(monkeypatch):
     cache as its twin that never saw the step (layer 0 had taken it; layer 1 is refused). A prefill
     chunk likewise."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=8, block_size=4, value_group_size=4)
-    a, b = (SinkQuantCache(cfg, 2, 2, 2, D, dtype=torch.float32, backend="triton", device=DEVICE) for _ in range(2))
+    a, b = (poisoned(SinkQuantCache(cfg, 2, 2, 2, D, dtype=torch.float32, backend="triton", device=DEVICE))
+            for _ in range(2))
     for layer in range(2):
         k, v = torch.randn(2, 2, 19, D, device=DEVICE), torch.randn(2, 2, 19, D, device=DEVICE)
         a.append(layer, k, v)
@@ -269,7 +288,7 @@ def test_decode_large_tiles_fit_by_fewer_stages():
     cache = SinkQuantCache(cfg, 1, 2, 2, 256, dtype=torch.float32, backend="triton", device=DEVICE)
     cache.append(0, torch.randn(2, 2, 700, 256, device=DEVICE), torch.randn(2, 2, 700, 256, device=DEVICE))
     q = torch.randn(2, 8, 256, device=DEVICE)
-    out = decode_attention(q, cache.layers[0])
+    out = decode(q, cache.layers[0])
     assert rel_rms(out, decode_attention_reference(q, cache.layers[0])) < KERNEL_TOL
     print("stages that fit:", {dict(key[3])["D"]: s for key, s in launch_mod._fitting.items() if key[0] == "decode"})
 
@@ -313,7 +332,7 @@ def test_cpu_decode_matches_reference_and_rows_alone(case, op):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("head_dim, group", [(12, 4), (12, 12), (20, 4), (24, 6), (12, 3)])
-def test_decode_value_groups_across_the_halves(kernel_path, bits, head_dim, group):
+def test_decode_value_groups_across_the_halves(variant, bits, head_dim, group):
     """Value groups that straddle the two halves of the channels (the int4 nibble planes and the
     kernel's halves: head_dim 12, group 4 puts channels 4-7 in one group across the halves), a group
     spanning both halves, and groups inside them (odd ones too, now that int4 packs the halves):
@@ -328,16 +347,15 @@ def test_decode_value_groups_across_the_halves(kernel_path, bits, head_dim, grou
     q = torch.randn(2, 6, head_dim, generator=g)
     ref = decode_attention_reference(q, layer)
     assert rel_rms(decode_attention_torch(q, layer), ref) < 1e-5
-    out = decode_attention(q.to(DEVICE), on_device(layer), num_splits=2).cpu()
-    assert rel_rms(out, ref) < kernel_path
+    out = decode(q.to(DEVICE), on_device(layer), num_splits=2, variant=variant).cpu()
+    assert rel_rms(out, ref) < tol(variant)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_decode_fp16_dots_keep_range(monkeypatch, bits):
+def test_decode_fp16_dots_keep_range(bits):
     """fp16 operands on tensor cores: keys of magnitude ~3e5 (q * s_k far past fp16's 65504 before
     the per-row rescale; fp32 scales hold them) and values of magnitude ~1e-5 (p * s_v deep in
     fp16's subnormals before the per-block rescale) stay within the GPU tolerance of the reference."""
-    monkeypatch.setattr(decode_mod, "FP16_DOTS", True)
     cfg = CacheConfig(sink_tokens=2, recent_tokens=24, bits=bits, block_size=4, value_group_size=D // 2,
                       scale_dtype=torch.float32)
     g = torch.Generator().manual_seed(bits)
@@ -348,7 +366,7 @@ def test_decode_fp16_dots_keep_range(monkeypatch, bits):
     layer = cache.layers[0]
     q = torch.randn(2, 6, D, generator=g) * 3
     ref = decode_attention_reference(q, layer, scale=1e-6)  # keep the softmax soft at these magnitudes
-    out = decode_attention(q.to(DEVICE), on_device(layer), scale=1e-6, num_splits=2).cpu()
+    out = decode(q.to(DEVICE), on_device(layer), scale=1e-6, num_splits=2, variant="fp16").cpu()
     assert torch.isfinite(out).all()
     assert rel_rms(out, ref) < max(KERNEL_TOL, FP16_TOL)
 
@@ -370,7 +388,7 @@ def random_storage_layer(cfg, B, Hkv, seed=0):
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
-def test_decode_positions_past_2_31(kernel_path, bits):
+def test_decode_positions_past_2_31(variant, bits):
     """Streams are unbounded: lengths past 2^31 and 2^32 (int32 positions would wrap)."""
     from qsinkkv.decode import decode_attention_torch
     cfg = CacheConfig(sink_tokens=3, recent_tokens=13, bits=bits, block_size=4, value_group_size=8, residual_tokens=2)
@@ -380,11 +398,11 @@ def test_decode_positions_past_2_31(kernel_path, bits):
     ref = decode_attention_reference(q, layer)
     assert ref.abs().amax() > 0.1
     assert rel_rms(decode_attention_torch(q, layer), ref) < 1e-5
-    out = decode_attention(q.to(DEVICE), on_device(layer), num_splits=2).cpu()
-    assert rel_rms(out, ref) < kernel_path
+    out = decode(q.to(DEVICE), on_device(layer), num_splits=2, variant=variant).cpu()
+    assert rel_rms(out, ref) < tol(variant)
 
 
-def test_decode_sink_logits_any_layout(kernel_path):
+def test_decode_sink_logits_any_layout(variant):
     """Strided and expanded (stride 0) sink_logits are read as the values they show."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
     layer, _ = filled_layer(cfg, [23, 11], 2, seed=5)
@@ -392,8 +410,8 @@ def test_decode_sink_logits_any_layout(kernel_path):
     for logits in ((torch.randn(12) * 3)[::2], torch.tensor(1.5).expand(6), torch.randn(6, 2)[:, 1]):
         assert not logits.is_contiguous()
         ref = decode_attention_reference(q, layer, sink_logits=logits.contiguous())
-        out = decode_attention(q.to(DEVICE), on_device(layer), sink_logits=logits.to(DEVICE), num_splits=2)
-        assert rel_rms(out.cpu(), ref) < kernel_path
+        out = decode(q.to(DEVICE), on_device(layer), sink_logits=logits.to(DEVICE), num_splits=2, variant=variant)
+        assert rel_rms(out.cpu(), ref) < tol(variant)
 
 
 # --- prefill attention ----------------------------------------------------------------------------
@@ -522,6 +540,53 @@ def test_backend_prefill_choice():
     assert rope.func is prefill_attention and rope.keywords["rotary"] is ROT
     assert select_ops("torch", torch.device(DEVICE), D, None).prefill.__name__ == "prefill_attention_torch"
     assert select_ops("torch", torch.device(DEVICE), D, ROT).prefill.func.__name__ == "prefill_attention_reference"
+
+
+def test_decode_variant_is_an_argument():
+    """``decode_variant`` is bound into the Triton decode op by ``select_ops`` (two caches in one process may
+    differ), checked once with a clear error, and refused where it cannot apply."""
+    assert ops_mod.DECODE_VARIANTS == decode_mod.VARIANTS
+    dev = torch.device(DEVICE)
+    for name in ops_mod.DECODE_VARIANTS:
+        op = select_ops("triton", dev, D, None, decode_variant=name).decode
+        assert op.func is decode_attention and op.keywords == {"rotary": None, "variant": name}
+    assert select_ops("triton", dev, D, None).decode.keywords["variant"] == "dequantize"  # today's default
+    assert select_ops("triton", dev, D, ROT, decode_variant="folded").decode.keywords["rotary"] is ROT
+    with pytest.raises(ValueError, match=r"decode_variant must be one of 'dequantize', 'folded', 'fp16', "
+                                         r"got 'fold'"):
+        select_ops("triton", dev, D, None, decode_variant="fold")
+    with pytest.raises(ValueError, match=r"decode_variant must be one of"):
+        select_ops("torch", dev, D, None, decode_variant=None)
+    with pytest.raises(ValueError, match=r"decode_variant='fp16' needs positions='absolute'"):
+        select_ops("triton", dev, D, ROT, decode_variant="fp16")
+    from qsinkkv import decode_c
+    for backend in ("torch", "c") if decode_c.available()[0] else ("torch",):
+        assert select_ops(backend, torch.device("cpu"), D, None, decode_variant="dequantize").backend == backend
+        with pytest.raises(ValueError, match=rf"decode_variant='folded' selects a body of the Triton decode "
+                                             rf"kernel; backend='{backend}' has one decode"):
+            select_ops(backend, torch.device("cpu"), D, None, decode_variant="folded")
+    # the cache constructors take it, and the kernel checks a direct call's
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=D // 2)
+    caches = {name: poisoned(SinkQuantCache(cfg, 1, 2, 2, D, dtype=torch.float32, backend="triton", device=DEVICE,
+                                            decode_variant=name)) for name in ops_mod.DECODE_VARIANTS}
+    from qsinkkv.paged import PagedCache
+    pool = PagedCache(cfg, 1, 2, D, max_seqs=2, float_blocks=4, quant_blocks=8, dtype=torch.float32,
+                      backend="triton", device=DEVICE, decode_variant="folded")
+    assert pool.ops.decode.keywords["variant"] == "folded"
+    with pytest.raises(ValueError, match="decode_variant must be one of"):
+        SinkQuantCache(cfg, 1, 2, 2, D, backend="torch", decode_variant="fast")
+    twin = SinkQuantCache(cfg, 1, 2, 2, D, dtype=torch.float32, backend="torch")  # the reference, on the CPU
+    g = torch.Generator().manual_seed(2)
+    kv = [torch.randn(2, 2, 23, D, generator=g) for _ in range(2)]
+    step = [torch.randn(2, n, 1, D, generator=g) for n in (4, 2, 2)]
+    twin.append(0, *kv)
+    ref = twin.attend(0, *step)
+    for name, cache in caches.items():
+        assert cache.ops.decode.keywords["variant"] == name
+        cache.append(0, *(t.to(DEVICE) for t in kv))
+        assert rel_rms(cache.attend(0, *(t.to(DEVICE) for t in step)).cpu(), ref) < tol(name), name
+    with pytest.raises(ValueError, match=r"variant must be one of 'dequantize', 'folded', 'fp16', got 'x'"):
+        decode(step[0][:, :, 0].to(DEVICE), caches["fp16"].layers[0], variant="x")
 
 
 def test_prefill_positions_past_2_31():

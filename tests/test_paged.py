@@ -285,3 +285,76 @@ def _on_cpu(layer):
     for name in ("sink_table", "float_table", "quant_table", *layer.tensors()):
         setattr(moved, name, getattr(layer, name).cpu())
     return moved
+
+
+# --- issue 24: reservations, refusals by name --------------------------------------------------------
+
+def test_a_step_gives_back_what_a_reservation_took_beyond_it():
+    """Issue 24.2: reserve({a: 8}) then one-token steps held the 8 tokens' blocks until crop/reset/release,
+    and admitting b raised PoolExhausted although the pool fits it. Held == needed after every call."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
+    L = cfg.recent_tokens // cfg.block_size
+    pool = PagedCache(cfg, 2, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=L + 1, dtype=torch.float32)
+    a = pool.admit()
+    pool.reserve({a: 10})
+    assert pool.blocks_in_use()["quant"] == L  # the reservation holds what 10 tokens need
+    for _ in range(4):
+        for layer in range(2):
+            pool.attend(layer, *(torch.randn(1, h, 1, D) for h in (HKV * G, HKV, HKV)))
+        check_accounting(pool)                  # the first step gave the rest back
+    b = pool.admit()
+    for _ in range(6):  # b alone grows to 2 quantized blocks: 1 + 2 fit in 5, the reservation's 4 + 2 did not
+        for layer in range(2):
+            pool.attend(layer, *(torch.randn(2, h, 1, D) for h in (HKV * G, HKV, HKV)), lengths=[0, 1])
+        check_accounting(pool)
+    assert pool.seq_ids == [a, b]
+
+
+def test_refused_reservation_after_a_larger_one_changes_nothing():
+    """A reservation that cannot grow leaves the earlier one in place (all or none)."""
+    cfg = CacheConfig(sink_tokens=1, recent_tokens=8, bits=8, block_size=2, value_group_size=4)
+    pool = PagedCache(cfg, 1, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=5, dtype=torch.float32)
+    a, b = pool.admit(), pool.admit()
+    pool.reserve({a: 9})
+    snap = snapshot(pool)
+    with pytest.raises(PoolExhausted):
+        pool.reserve({a: 9, b: 9})
+    assert_unchanged(pool, snap)
+
+
+BAD_OFFSETS = [None, "0,1", 1.5, torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0, 1j, 2]), [0, 1.0, 2],
+               torch.zeros(3, dtype=torch.int64, device="meta"), torch.tensor([True, False, True])]
+
+
+@pytest.mark.parametrize("qsl", BAD_OFFSETS, ids=lambda x: type(x).__name__ + str(getattr(x, "dtype", "")))
+def test_bad_query_start_loc_is_named_and_changes_nothing(qsl):
+    """Issue 24.6: None, a str, a complex or a meta tensor raised RuntimeError/TypeError naming nothing."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
+    pool = PagedCache(cfg, 1, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=4, dtype=torch.float32)
+    pool.admit(), pool.admit()
+    pool.attend_packed(0, torch.randn(3, HKV * G, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D), [0, 2, 3])
+    snap = snapshot(pool)
+    with pytest.raises(ValueError, match="query_start_loc must be"):
+        pool.attend_packed(0, torch.randn(2, HKV * G, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D), qsl)
+    assert_unchanged(pool, snap)
+    with pytest.raises(ValueError, match="lengths must be .*meta tensor"):
+        pool.attend(0, *(torch.randn(2, h, 1, D) for h in (HKV * G, HKV, HKV)),
+                    lengths=torch.ones(2, dtype=torch.int64, device="meta"))
+    assert_unchanged(pool, snap)
+
+
+def test_packed_step_with_no_sequence_says_admit():
+    """Issue 24.5: max() of an empty reduction before."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
+    pool = PagedCache(cfg, 1, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"admit\(\) one first"):
+        pool.attend_packed(0, torch.randn(0, HKV * G, D), torch.randn(0, HKV, D), torch.randn(0, HKV, D), [0])
+    assert pool.blocks_in_use() == {"sink": 0, "float": 0, "quant": 0}
+
+
+@pytest.mark.parametrize("pool_bytes", [2**70, 10**30])
+def test_a_pool_larger_than_the_device_is_named(pool_bytes):
+    """Issue 24.7: a torch overflow error before; now pool_bytes and what the device holds."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
+    with pytest.raises(ValueError, match=r"pool_bytes=\d+ is more than cpu has \(\d+ bytes\)"):
+        PagedCache.for_bytes(cfg, 1, HKV, D, pool_bytes)

@@ -54,3 +54,15 @@ def test_serve_each_request_equals_its_run_alone(model_tok, bits):
             top2 = alone.logits[k].topk(2).values
             drift = max((a - b).abs().max().item() for a, b in zip(alone.logits[:k + 1], r.logits[:k + 1]))
             assert float(top2[0] - top2[1]) < 2 * drift and drift < 2.0, (r.name, k, drift)
+
+
+@pytest.mark.parametrize("argv,flag", [(["--chunk", "0"], "--chunk"), (["--chunk", "-3"], "--chunk"),
+                                       (["--requests", "0"], "--requests"), (["--pool-seqs", "0"], "--pool-seqs"),
+                                       (["--capacity", "4", "--sinks", "4"], "--sinks"),
+                                       (["--threads", "x"], "--threads")])
+def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys, monkeypatch):
+    """Issue 24.10: reshape errors inside the model, ZeroDivisionError and tracebacks before."""
+    monkeypatch.setattr(serve, "load_model", lambda **_: pytest.fail("the model was loaded before the flags"))
+    with pytest.raises(SystemExit) as e:
+        serve.main(argv)
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

@@ -17,13 +17,18 @@ Two modes, chosen by the model's attention implementation at every forward:
 * any other implementation (sdpa, eager, ...) — portable: ``update`` stores the new tokens and
   returns the dequantized visible K/V, so the model's own attention works (slower: the window
   is dequantized every step). The model's mask can only express a contiguous span, so this
-  mode takes batch size 1, positions="absolute", and prompts that fit in the capacity (decode
-  then continues for any number of tokens).
+  mode takes batch size 1, positions="absolute", no padding, and prompts that fit in the capacity
+  (decode then continues for any number of tokens when the cache is built with the model itself,
+  ``QSinkKVCache(config, model)``, so that it sees each forward's attention_mask and can refuse pads,
+  which would otherwise become sinks; built with ``model.config`` it stops at the capacity).
 
 Transformers' cache API changes between releases: this module is tested with the range in
 ``SUPPORTED``, and refuses others with a clear error.
 """
 from __future__ import annotations
+
+import inspect
+import weakref
 
 import torch
 import transformers
@@ -36,6 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..attention import visible_mask
 from ..cache import SinkQuantCache
 from ..config import CacheConfig
+from ..ops import check_decode_variant
 from ..paged import PagedCache
 from ..rope import Rotary, check_rope_type
 from ..storage import gather
@@ -62,7 +68,11 @@ def rotary_from_config(text_config) -> Rotary:
                          "positions='cache_index'")
     head_dim = _head_dim(text_config)
     if rope_type == "default":
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        theta = params.get("rope_theta", getattr(text_config, "rope_theta", None))
+        if theta is None:
+            raise ValueError(f"positions='cache_index' needs the model's RoPE base: model_config.rope_parameters "
+                             f"must hold 'rope_theta', got rope_parameters={params!r}")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         return Rotary(inv_freq, 1.0)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](text_config)
@@ -114,18 +124,20 @@ class QSinkKVCache(Cache):
     count, for continuous batching (``examples/serve.py``): the batch's rows are the sequences
     the caller admitted into it, each at its own length (pass each row's ``position_ids`` and a
     2D ``attention_mask`` whose last columns mark the chunk's real tokens); needs
-    ``attn_implementation="qsinkkv"``.
+    ``attn_implementation="qsinkkv"``. ``decode_variant``: the storage's (``SinkQuantCache``), checked here.
     """
 
     is_compileable = False
 
-    def __init__(self, config: CacheConfig, model_config, backend: str = "auto", pool: PagedCache | None = None):
+    def __init__(self, config: CacheConfig, model_config, backend: str = "auto", pool: PagedCache | None = None,
+                 decode_variant: str = "dequantize"):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a qsinkkv CacheConfig, got {type(config).__name__}")
-        tp_size = 1
+        tp_size, model = 1, None
         if isinstance(model_config, torch.nn.Module):  # the model itself: its tensor-parallel degree is checked too
-            tp_size = getattr(model_config, "tp_size", None) or 1
-            model_config = model_config.config
+            model = model_config
+            tp_size = getattr(model, "tp_size", None) or 1
+            model_config = model.config
         if not hasattr(model_config, "get_text_config"):
             raise TypeError(f"model_config must be a transformers PretrainedConfig (model.config), "
                             f"got {type(model_config).__name__}")
@@ -145,7 +157,9 @@ class QSinkKVCache(Cache):
                              f"{text.num_key_value_heads}: each rank must hold whole KV heads (and its cache their "
                              f"storage); use a tensor-parallel degree that divides {text.num_key_value_heads}")
         self.config, self.model_config, self.backend = config, model_config, backend
+        self.decode_variant = decode_variant  # the storage's (SinkQuantCache); a pool has its own
         self.rotary = rotary_from_config(text) if config.positions == "cache_index" else None
+        check_decode_variant(decode_variant, backend, self.rotary)  # before any storage: a clear error now
         self.num_layers = text.num_hidden_layers
         self.inner: SinkQuantCache | None = None
         if pool is not None:
@@ -157,6 +171,9 @@ class QSinkKVCache(Cache):
                                  f"with positions='cache_index'), got {pool.config} with {pool.num_layers} layers")
             self.inner = pool
         self.width = 0  # columns fed (pads included); each row's own length lives in inner.seq_lens()
+        # (width, 2D attention_mask or None) of the forward about to run, when the model is watched
+        self._forward_mask: tuple[int, Tensor | None] | None = None
+        self.watches_masks = model is not None and _watch_masks(model, self)
         super().__init__(layers=[_LayerView(self, i) for i in range(self.num_layers)])
 
     # --- storage ------------------------------------------------------------------------------
@@ -171,7 +188,8 @@ class QSinkKVCache(Cache):
             self.inner = None  # an empty (new or reset) cache takes the next batch's size, device and dtype
         if self.inner is None:
             self.inner = SinkQuantCache(self.config, self.num_layers, B, Hkv, D, device=key_states.device,
-                                        dtype=key_states.dtype, rotary=self.rotary, backend=self.backend)
+                                        dtype=key_states.dtype, rotary=self.rotary, backend=self.backend,
+                                        decode_variant=self.decode_variant)
         return self.inner
 
     @property
@@ -187,9 +205,19 @@ class QSinkKVCache(Cache):
                 f"qsinkkv: the cache's layers are out of step (their longest sequences hold {sorted(set(lengths))} "
                 "tokens): an earlier forward stopped part-way through the layers (an error or interrupt outside "
                 f"the cache); call cache.crop({self.width}) or cache.reset() before the next forward")
-        if isinstance(inner, PagedCache) and not self.fused:
-            raise ValueError("a QSinkKVCache backed by a pool needs attn_implementation='qsinkkv' "
-                             "(model.set_attn_implementation('qsinkkv'))")
+        if isinstance(inner, PagedCache):
+            if not self.fused:
+                raise ValueError("a QSinkKVCache backed by a pool needs attn_implementation='qsinkkv' "
+                                 "(model.set_attn_implementation('qsinkkv'))")
+            B = key_states.shape[0]
+            if B != inner.batch_size:
+                if inner.batch_size and B % inner.batch_size == 0:
+                    raise ValueError(f"the batch has {B} rows, {B // inner.batch_size}x the {inner.batch_size} "
+                                     "sequences admitted into the pool: a pool cannot repeat sequences (beam search, "
+                                     "num_return_sequences > 1 would share their blocks); use a QSinkKVCache without "
+                                     "pool= (a SinkQuantCache) for beam search")
+                raise ValueError(f"the batch has {B} rows but the pool has {inner.batch_size} sequences admitted: "
+                                 "admit() one sequence per row, in row order, before the forward")
         if self.fused:
             if forward_kwargs is None:
                 raise RuntimeError("attn_implementation='qsinkkv' needs a model that calls "
@@ -211,13 +239,8 @@ class QSinkKVCache(Cache):
             raise ValueError(f"a chunk of {T} tokens after {n0} exceeds the capacity {self.config.capacity} in the "
                              "portable mode (the model's mask cannot express sinks + window); use "
                              "attn_implementation='qsinkkv', or feed the prompt in pieces that fit")
-        pos = forward_kwargs.get("position_ids")
-        if layer_idx == 0 and pos is not None and not torch.equal(
-                pos.reshape(-1, T)[:1], torch.arange(n0, n0 + T, device=pos.device).unsqueeze(0)):
-            # generate() numbers a left-padded row from its first real token: the pads would be sinks
-            raise ValueError(f"the portable mode needs position_ids {n0}..{n0 + T - 1} (the cache's positions), got "
-                             f"{pos.reshape(-1)[:8].tolist()}...: a left-padded prompt (its pads would become sinks); "
-                             "drop the padding, or use attn_implementation='qsinkkv'")
+        if layer_idx == 0:
+            self._check_portable_padding(n0, T, forward_kwargs.get("position_ids"))
         inner.append(layer_idx, k, v)
         self._stored(layer_idx, T)
         keys, values, pos = gather(inner.layers[layer_idx], k.dtype)
@@ -226,6 +249,28 @@ class QSinkKVCache(Cache):
                             self.config.recent_tokens)[0]
         order = torch.argsort(torch.where(seen, pos[0], pos[0].max() + 1))[: int(seen.sum())]
         return keys[:, :, order], values[:, :, order]
+
+    def _check_portable_padding(self, n0: int, T: int, pos: Tensor | None) -> None:
+        """The model's own mask cannot keep a padded row's pads out of the sinks and the window: refuse any
+        sign of padding, and a step past the capacity when padding cannot be ruled out."""
+        # generate() numbers a left-padded row from its first real token
+        if pos is not None and not torch.equal(pos.reshape(-1, T)[:1],
+                                               torch.arange(n0, n0 + T, device=pos.device).unsqueeze(0)):
+            raise ValueError(f"the portable mode needs position_ids {n0}..{n0 + T - 1} (the cache's positions), got "
+                             f"{pos.reshape(-1)[:8].tolist()}...: a left-padded prompt (its pads would become sinks); "
+                             "drop the padding, or use attn_implementation='qsinkkv'")
+        seen = self._forward_mask
+        if seen is not None and seen[0] == self.width:  # the watched model's forward for this very step
+            mask = seen[1]
+            if mask is not None and not bool(mask.all()):
+                raise ValueError("the portable mode takes no padding, and this forward's attention_mask has pads "
+                                 "(a left-padded prompt: its pads would become sinks once the stream passes the "
+                                 "capacity); drop the padding, or use attn_implementation='qsinkkv'")
+        elif n0 + T > self.config.capacity:
+            raise ValueError(f"the portable mode goes past the capacity {self.config.capacity} only when it can rule "
+                             "out padding (pads would become sinks), and this cache cannot see the forward's "
+                             "attention_mask: build it with the model itself, QSinkKVCache(config, model), or use "
+                             "attn_implementation='qsinkkv'")
 
     def _stored(self, layer_idx: int, columns: int) -> None:
         """A layer stored a chunk of ``columns``: the last one completes the step."""
@@ -286,6 +331,37 @@ class QSinkKVCache(Cache):
         if self.inner is not None:
             B = self.inner.batch_size
             self.inner.select_batch(torch.arange(B).repeat_interleave(repeats))
+
+
+def _watch_masks(model: torch.nn.Module, cache: QSinkKVCache) -> bool:
+    """Let ``cache`` see the 2D attention_mask of every forward of ``model`` it is passed to (a forward
+    pre-hook; the portable mode's padding check). The hook holds the cache weakly and removes itself once
+    the cache is gone. False where the model's forward cannot be read."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return False
+    ref = weakref.ref(cache)
+
+    def hook(module, args, kwargs):
+        owner = ref()
+        if owner is None:
+            handle.remove()
+            return None
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return None
+        extra = bound.get("kwargs") or {}
+        passed = next((x for x in (bound.get("cache"), bound.get("past_key_values"), extra.get("cache"),
+                                   extra.get("past_key_values")) if x is not None), None)
+        if passed is owner:
+            mask = bound.get("attention_mask")
+            owner._forward_mask = (owner.width, mask if isinstance(mask, Tensor) and mask.ndim == 2 else None)
+        return None
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    return True
 
 
 def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,

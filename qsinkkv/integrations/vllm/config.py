@@ -1,0 +1,99 @@
+"""The plugin's configuration: ``vllm_config.additional_config["qsinkkv"]``, validated by
+``qsinkkv.CacheConfig`` and against the engine's own settings.
+
+Everything here is plain Python over the qsinkkv core (no vLLM import), so the checks run in the
+front end before an engine core starts, and the error names the field at fault.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...config import CacheConfig
+
+KEY = "qsinkkv"  # additional_config[KEY] holds CacheConfig fields
+_DTYPE_FIELDS = ("sink_dtype", "window_dtype", "scale_dtype")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# What this increment serves (the rest is refused at start, naming the field)
+SUPPORTED_BITS = (16,)
+SUPPORTED_POSITIONS = ("absolute",)  # vLLM hands the backend keys already rotated at their true positions
+
+
+class PluginConfigError(ValueError):
+    """additional_config["qsinkkv"] or an engine setting the plugin cannot serve (names the field)."""
+
+
+def raw_config(additional_config) -> dict | None:
+    """The plugin's dict, or None when the engine did not ask for qsinkkv (stock vLLM)."""
+    if not additional_config or KEY not in additional_config:
+        return None
+    raw = additional_config[KEY]
+    if not isinstance(raw, dict):
+        raise PluginConfigError(f"additional_config[{KEY!r}] must be a dict of qsinkkv CacheConfig fields, "
+                                f"got {type(raw).__name__}")
+    return raw
+
+
+def parse_config(raw: dict) -> CacheConfig:
+    """A ``CacheConfig`` from the JSON-shaped dict (dtype fields as names: ``"float32"``)."""
+    known = {f.name for f in dataclasses.fields(CacheConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise PluginConfigError(f"additional_config[{KEY!r}] has unknown field(s) {unknown}; the fields are "
+                                f"{sorted(known)}")
+    kwargs = dict(raw)
+    for name in _DTYPE_FIELDS:
+        if name in kwargs:
+            value = kwargs[name]
+            if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+                kwargs[name] = _DTYPES[value.removeprefix("torch.")]
+            elif not isinstance(value, torch.dtype):
+                raise PluginConfigError(f"CacheConfig.{name} must be one of {sorted(_DTYPES)}, got {value!r}")
+    try:
+        cfg = CacheConfig(**kwargs)
+    except ValueError as e:  # CacheConfig names the field ("CacheConfig.bits must be ...")
+        raise PluginConfigError(str(e)) from None
+    if cfg.bits not in SUPPORTED_BITS:
+        raise PluginConfigError(f"CacheConfig.bits={cfg.bits} is not served inside vLLM yet (this plugin serves bits "
+                                f"{list(SUPPORTED_BITS)}: the StreamingLLM sink + window over vLLM's own pages; "
+                                "int8/int4 pages are the next increment)")
+    if cfg.positions not in SUPPORTED_POSITIONS:
+        raise PluginConfigError(f"CacheConfig.positions={cfg.positions!r} is not supported inside vLLM: the engine "
+                                "rotates keys at their true positions before attention, so only 'absolute' applies")
+    if cfg.residual_tokens:
+        raise PluginConfigError("CacheConfig.residual_tokens applies to quantized windows (bits 8/4), which this "
+                                f"increment does not serve; got residual_tokens={cfg.residual_tokens}")
+    return cfg
+
+
+def check_engine(cfg: CacheConfig, *, block_size: int | None, user_block_size: bool, head_dim: int | None,
+                 enable_prefix_caching: bool, speculative: bool, max_model_len: int | None) -> int:
+    """Check the engine settings against ``cfg``; returns the vLLM block size to use (ours)."""
+    bs = cfg.block_size
+    if bs % 16:  # vLLM's block tables and the CPU runner want whole 16-token kernel blocks
+        raise PluginConfigError(f"CacheConfig.block_size must be a multiple of 16 inside vLLM (it is vLLM's block "
+                                f"size), got block_size={bs}")
+    if user_block_size and block_size is not None and block_size != bs:
+        raise PluginConfigError(f"block_size: the engine's --block-size={block_size} differs from the qsinkkv "
+                                f"CacheConfig.block_size={bs}; they are one size (give one of them, or both equal)")
+    if head_dim is not None:
+        try:
+            cfg.check_head_dim(head_dim)
+        except ValueError as e:
+            raise PluginConfigError(f"head_dim: {e}") from None
+    if enable_prefix_caching:
+        raise PluginConfigError("enable_prefix_caching: prefix caching is not supported with the qsinkkv plugin yet "
+                                "(blocks leave the window mid-request); pass enable_prefix_caching=False "
+                                "(vllm serve: --no-enable-prefix-caching)")
+    if speculative:
+        raise PluginConfigError("speculative_config: speculative decoding is not supported with the qsinkkv plugin")
+    return bs
+
+
+def to_jsonable(cfg: CacheConfig) -> dict:
+    """The dict form (dtype names), e.g. to pass the same config to a reference run."""
+    out = dataclasses.asdict(cfg)
+    for name in _DTYPE_FIELDS:
+        out[name] = str(out[name]).removeprefix("torch.")
+    return out

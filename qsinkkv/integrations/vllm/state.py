@@ -1,0 +1,38 @@
+"""The engine's qsinkkv config as this process knows it (read from the current ``VllmConfig``)."""
+from __future__ import annotations
+
+from ...config import CacheConfig
+from .config import parse_config, raw_config
+
+_ACTIVE: dict = {}  # id(VllmConfig) -> (CacheConfig | None, in-flight tokens): the last engine config seen
+
+
+def from_vllm_config(vllm_config) -> CacheConfig | None:
+    """The CacheConfig of ``vllm_config`` (None: the engine runs stock vLLM), remembered for the backend's
+    static hooks (``customize_spec``), which vLLM calls without a config."""
+    if vllm_config is None:
+        return None
+    key = id(vllm_config)
+    if key not in _ACTIVE:
+        raw = raw_config(getattr(vllm_config, "additional_config", None))
+        cfg = None if raw is None else parse_config(raw)
+        try:
+            in_flight = int(vllm_config.max_in_flight_tokens)
+        except Exception:  # older configs: one step's token budget
+            in_flight = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
+        _ACTIVE.clear()
+        _ACTIVE[key] = (cfg, in_flight)
+    return _ACTIVE[key][0]
+
+
+def active() -> CacheConfig | None:
+    from vllm.config import get_current_vllm_config_or_none
+    current = get_current_vllm_config_or_none()
+    if current is not None:
+        return from_vllm_config(current)
+    return next(iter(_ACTIVE.values()))[0] if _ACTIVE else None
+
+
+def in_flight_tokens() -> int:
+    active()
+    return next(iter(_ACTIVE.values()))[1] if _ACTIVE else 0

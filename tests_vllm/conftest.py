@@ -1,0 +1,34 @@
+"""The vLLM tests (``make test-vllm``, in the vLLM venv). Each engine runs in its own process
+(``engine.py``); the past-the-window reference comes from the main venv (``make_reference.py``), its
+path in ``QSINKKV_VLLM_REFERENCE`` (``make test-vllm`` writes it first)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def run_engine(spec: dict, timeout: int = 420) -> dict:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    p = subprocess.run([sys.executable, str(HERE / "engine.py"), json.dumps(spec)], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    for line in p.stdout.splitlines():
+        if line.startswith("QSINKKV_RESULT "):
+            return json.loads(line.split(" ", 1)[1])
+    raise AssertionError(f"engine.py gave no result (rc {p.returncode}):\n{p.stderr[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    path = os.environ.get("QSINKKV_VLLM_REFERENCE")
+    if not path or not Path(path).exists():
+        pytest.fail("QSINKKV_VLLM_REFERENCE must name the JSON made by tests_vllm/make_reference.py in the main venv "
+                    "(make test-vllm does this)")
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,97 @@
+"""Run one vLLM engine (stock, or with the qsinkkv plugin) on token-id prompts, greedy; print one JSON
+line. Run in the vLLM venv, one engine per process (vLLM keeps per-process state: plugins, backend
+selection caches), by the tests in this folder and by ``benchmarks/vllm_serve.py``.
+
+    python tests_vllm/engine.py '{"prompts": [[1, 2, 3]], "max_tokens": 8, "qsinkkv": {...} | null, ...}'
+
+Keys: model (default: the embedded default model's safetensors folder), dtype ("float32"),
+prompts (token ids), max_tokens, max_model_len (1024), qsinkkv (CacheConfig fields, or null for stock
+vLLM), llm (extra ``vllm.LLM`` keyword arguments), warmup (a short generate first, not timed),
+step (drive the engine step by step, in process, and record the real blocks each request holds).
+Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), block_size,
+held_blocks (per request: the most it held, and what it held at its end), or error (the message
+of the exception that stopped the engine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def default_model() -> str:
+    root = Path(os.environ.get("QSINKKV_CACHE", Path.home() / ".cache" / "qsinkkv"))
+    return str(root / "smollm2-135m-instruct")
+
+
+def _manager(llm):
+    """The first KV cache group's manager in the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+
+
+def _held(manager, request_id: str) -> int:
+    null = manager._null_block
+    return sum(b is not null for b in manager.req_to_blocks.get(request_id, ()))
+
+
+def run(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV pool (else vLLM reserves most of the RAM)
+    if spec.get("step"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(model=spec.get("model") or default_model(), dtype=spec.get("dtype", "float32"), enforce_eager=True,
+                  enable_prefix_caching=False, max_model_len=spec.get("max_model_len", 1024), seed=0)
+    if spec.get("qsinkkv") is not None:
+        kwargs["additional_config"] = {"qsinkkv": spec["qsinkkv"]}
+    kwargs.update(spec.get("llm", {}))
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:  # what stopped the engine at start
+        return {"error": f"{type(e).__name__}: {e}"}
+    cache = llm.llm_engine.vllm_config.cache_config
+    out = {"block_size": cache.block_size, "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size}
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    if spec.get("warmup"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    t0 = time.perf_counter()
+    if spec.get("step"):
+        engine, manager = llm.llm_engine, _manager(llm)
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params)
+        most, last, tokens = dict.fromkeys(ids, 0), dict.fromkeys(ids, 0), {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)
+            for key in list(manager.req_to_blocks):  # vLLM suffixes the ids it is given
+                rid = key if key in most else key.rsplit("-", 1)[0]
+                if rid in most:
+                    n = _held(manager, key)
+                    most[rid], last[rid] = max(most[rid], n), n
+        out["tokens"] = [tokens[r] for r in ids]
+        out["held_blocks"] = {"most": [most[r] for r in ids], "at_end": [last[r] for r in ids]}
+        out["free_blocks_after"] = manager.block_pool.get_num_free_blocks()
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    out["seconds"] = time.perf_counter() - t0
+    out["tokens_per_s"] = sum(map(len, out["tokens"])) / out["seconds"]
+    try:  # stop the engine core (and its worker) before this process goes
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return out
+
+
+if __name__ == "__main__":
+    result = run(json.loads(sys.argv[1]))
+    print("QSINKKV_RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # skip vLLM's slow interpreter teardown; the engine core process goes with its parent

@@ -122,7 +122,8 @@ def test_frontier_marks_the_pareto_points_and_writes_the_plot(swept):
     out, r = swept
     assert (out / "frontier.png").stat().st_size > 0
     md = (out / "report.md").read_text()
-    assert "| configuration | bits | sinks | block | group | residual | bytes/token | x bf16 |" in md
+    assert ("| configuration | bits | sinks | block | group | residual | allocated bytes/token | ideal bytes/token "
+            "| x bf16 (allocated) |") in md
     rows = [o for o in r["rows"] if o["status"] == "ok"]
     front = [o for o in rows if o["pareto"]]
     assert front and any(o["ours"] for o in front)

@@ -393,9 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse(argv)
+        quiet = contextlib.nullcontext()
         if args.quiet:
-            os.environ["QSINKKV_EVAL_QUIET"] = "1"
-        with sigterm_raises(), output_dir(args.out):
+            from .progress import silenced  # (imported here: tqdm is not needed to parse the arguments)
+            quiet = silenced()
+        with sigterm_raises(), output_dir(args.out), quiet:
             results = run(args)
             written = write(results, args.out)
     except KeyboardInterrupt:

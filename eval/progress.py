@@ -1,14 +1,25 @@
-"""Progress bars (tqdm on stderr); silenced with ``QSINKKV_EVAL_QUIET=1`` or ``--quiet``."""
+"""Progress bars (tqdm on stderr): shown when stderr is a terminal, never in a log or a captured run;
+``qsinkkv-eval --quiet`` runs its command inside ``silenced()``."""
 from __future__ import annotations
 
-import os
+from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
+_silenced = False  # set only inside `silenced()`, the scope of one CLI command
 
-def quiet() -> bool:
-    return os.environ.get("QSINKKV_EVAL_QUIET", "0") == "1"
+
+@contextmanager
+def silenced():
+    """No progress bar inside this block (restored after it)."""
+    global _silenced
+    before, _silenced = _silenced, True
+    try:
+        yield
+    finally:
+        _silenced = before
 
 
 def bar(items, desc: str, leave: bool = True):
-    return tqdm(items, desc=desc, leave=leave, disable=quiet(), dynamic_ncols=True)
+    # disable=None: tqdm's own rule, no bar unless stderr is a terminal
+    return tqdm(items, desc=desc, leave=leave, disable=True if _silenced else None, dynamic_ncols=True)

@@ -110,7 +110,7 @@ def serve(model, cache_config: CacheConfig, requests: list[Request], pool_seqs: 
         step += 1
     dt = time.perf_counter() - t0
     return dict(steps=step, seconds=dt, new_tokens=new_tokens, peak_pool_bytes=peak_pool, pool_bytes=pool.nbytes(),
-                peak_bf16_bytes=peak_bf16, peak_active=peak_active, max_seqs=pool._sizes["sink"],
+                peak_bf16_bytes=peak_bf16, peak_active=peak_active, max_seqs=pool.blocks.sizes["sink"],
                 blocks_in_use_after=pool.blocks_in_use())
 
 

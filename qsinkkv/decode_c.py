@@ -7,9 +7,10 @@ Why C: on the CPU the PyTorch path writes the whole window into a float32 buffer
 every step and reads it back (several passes over 4 bytes per element, and ~80 ops per call); this
 reads each code once (0.5 or 1 byte per element) in one call. The file is compiled once per machine
 with the system C compiler (``cc``, or ``$CC``; ``-O3 -march=native``, or without ``-march=native``
-where the compiler refuses it) into ``$QSINKKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qsinkkv``, else
-``~/.cache/qsinkkv``, and loaded with ctypes. ``available()`` says whether that worked and, if not,
-why (``backend="auto"`` then takes the PyTorch path). ``QSINKKV_C=0`` turns it off.
+where the compiler refuses it) into ``models.cache_dir()`` (``$QSINKKV_CACHE``, else
+``$XDG_CACHE_HOME/qsinkkv``, else ``~/.cache/qsinkkv``) and loaded with ctypes. ``available()`` says
+whether that worked and, if not, why (``backend="auto"`` then takes the PyTorch path). ``QSINKKV_C=0``
+turns it off.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .models import cache_dir
 from .storage import LayerStorage
 
 _SOURCE = Path(__file__).with_name("decode_c.c")
@@ -88,8 +90,7 @@ def _load() -> ctypes.CDLL:
         raise NoCompiler(f"no C compiler: {cc[0]!r} not found (install one, or set CC)") from None
     # the library holds code for this machine's CPU (-march=native): its flags are part of the key
     cpu = next((line for line in _cpuinfo() if line.startswith(("flags", "Features"))), platform.processor())
-    cache = Path(os.environ.get("QSINKKV_CACHE_DIR")
-                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qsinkkv")
+    cache = cache_dir()
     errors = []
     for flags in (["-O3", "-march=native"], ["-O3"]):  # (some compilers take no -march=native)
         flags = [*flags, "-fopenmp-simd", "-fPIC", "-shared"]

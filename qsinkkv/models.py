@@ -4,12 +4,14 @@
 llama.cpp; we need none of them). Loading a GGUF through transformers dequantizes it and
 takes ~25 s on 2 cores, and a GGUF-loaded model refuses ``save_pretrained``, so the first
 load rebuilds a plain model from the same config and weights and saves it as safetensors in
-``$QSINKKV_CACHE`` (default ``~/.cache/qsinkkv``); later loads take ~2 s.
+``cache_dir()`` (``$QSINKKV_CACHE``, default ``~/.cache/qsinkkv``); later loads take ~2 s.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,7 +22,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("QSINKKV_CACHE", Path.home() / ".cache" / "qsinkkv"))
+    """Where qsinkkv keeps what it builds once per machine (the converted default model, the compiled C
+    decode): ``$QSINKKV_CACHE``, else ``$XDG_CACHE_HOME/qsinkkv``, else ``~/.cache/qsinkkv``."""
+    return Path(os.environ.get("QSINKKV_CACHE")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qsinkkv")
 
 
 def gguf_path() -> Path:
@@ -51,10 +56,20 @@ def default_model_dir() -> Path:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict())
     plain.tie_weights()
-    tmp = out.with_name(out.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a crash never leaves a half-written model behind
+    # written aside in a folder of its own, then one atomic rename: a crash never leaves a half-written model,
+    # and processes converting at once (test workers on a new machine) never write into each other's files
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process renamed its copy first: use that one
+            if not (out / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

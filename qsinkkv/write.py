@@ -54,16 +54,28 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
         storage.seq_lens += 1
         return Undo(before, [])
     if len(set(n0)) == 1 and len(set(lengths)) == 1:
-        parts = [(storage, k[:, :, :lengths[0]], v[:, :, :lengths[0]])] if lengths[0] else []
-        ones = []
-    elif max(lengths) == 1:  # a decode step of sequences of different lengths: every row at once
-        return Undo(before, _append_one_token(storage, k, v, [b for b, t in enumerate(lengths) if t], quantizer))
-    else:  # a ragged chunk: rows with one token in one indexed write, the others row by row
-        parts = [(storage.rows(b), k[b:b + 1, :, :t], v[b:b + 1, :, :t]) for b, t in enumerate(lengths) if t > 1]
-        ones = [b for b, t in enumerate(lengths) if t == 1]
-    plans = [_plan(s, kk, vv, quantizer) for s, kk, vv in parts]  # may raise: nothing written yet
+        if not lengths[0]:
+            return Undo(before, [])
+        plan = _plan(storage, k[:, :, :lengths[0]], v[:, :, :lengths[0]], quantizer)  # may raise: nothing written
+        return Undo(before, _commit(plan))
+    # a ragged chunk: rows with one token in one indexed write, the others row by row
+    ones = [b for b, t in enumerate(lengths) if t == 1]
+    chunks = [(b, k[b:b + 1, :, :t], v[b:b + 1, :, :t]) for b, t in enumerate(lengths) if t > 1]
+    return append_rows(storage, ones, k[ones, :, 0], v[ones, :, 0], chunks, quantizer)
+
+
+def append_rows(storage: LayerStorage, ones: list[int], k_one: Tensor, v_one: Tensor,
+                chunks: list[tuple[int, Tensor, Tensor]], quantizer) -> Undo:
+    """A step given by rows, not padded: the sequences ``ones`` get one token each (``k_one, v_one
+    [len(ones), Hkv, D]``, in that order), each ``(b, k, v)`` of ``chunks`` gets ``k, v [1, Hkv, t, D]``
+    after its ``seq_lens[b]`` tokens; the other sequences get none. What a packed step (and the ragged
+    part of ``append``) writes, without a ``[B, Hkv, T_max, D]`` chunk.
+
+    Raises ValueError (storage unchanged) if a block's scale or zero overflows ``scale_dtype``."""
+    before = storage.seq_lens.clone()
+    plans = [_plan(storage.rows(b), kk, vv, quantizer) for b, kk, vv in chunks]  # may raise: nothing written yet
     # (it quantizes before it writes, so it may raise with nothing written too)
-    saved = _append_one_token(storage, k, v, ones, quantizer) if ones else []
+    saved = _append_one_token(storage, ones, k_one, v_one, quantizer) if ones else []
     for plan in plans:
         saved += _commit(plan)
     return Undo(before, saved)
@@ -153,29 +165,33 @@ def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
     return saved
 
 
-def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], quantizer) -> list:
-    """One new token for each sequence in ``rows``, each at its own length, written with one indexed
-    write per tensor (a ragged decode step; row by row would cost a pass per sequence)."""
+def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer) -> list:
+    """One new token for each sequence in ``rows`` (``k, v [len(rows), Hkv, D]``, in that order), each at
+    its own length, written with one indexed write per tensor (row by row would cost a pass per sequence).
+    The lists below name each sequence twice: its row in the storage and its place ``i`` in ``k, v``."""
     L, cfg = s.layout, s.layout.config
     S, bs, F, nq = cfg.sink_tokens, cfg.block_size, L.float_rows, max(L.quant_slots, 1)
-    sink_rows, sink_pos, float_rows, float_row = [], [], [], []
-    full_rows, full_block = [], []           # sequences whose new token completes a block that stays visible
-    live_rows = []                           # sequences whose new float row holds a token the shorter stream reads
-    for b in rows:
+    sink_rows, sink_at, sink_pos, float_rows, float_at, float_row = [], [], [], [], [], []
+    full_rows, full_at, full_block = [], [], []  # sequences whose new token completes a block that stays visible
+    live_rows = []                               # sequences whose new float row holds a token the shorter stream reads
+    for i, b in enumerate(rows):
         n = int(s.seq_lens[b])
         if n < S:
             sink_rows.append(b)
+            sink_at.append(i)
             sink_pos.append(n)
             continue
         r = n - S                            # the new token's recent index
         q0, q1 = L.quantized_blocks(r), L.quantized_blocks(r + 1)
         if r >= q1 * bs:                     # it stays unquantized (else it completes its own block now)
             float_rows.append(b)
+            float_at.append(i)
             float_row.append(r % F)
             if r - F >= q0 * bs:             # the row held token r - F, still unquantized at length n
                 live_rows.append(b)
         if q1 > max(q0, L.first_kept_block(r + 1)):
             full_rows.append(b)
+            full_at.append(i)
             full_block.append(q1 - 1)
     dev = s.device
     idx = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
@@ -186,7 +202,7 @@ def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], qu
         new = tok == (s.seq_lens[full_rows].to(dev) - S).unsqueeze(1)                  # the new token's place
         blocks = []
         for ring, x in ((s.float_k, k), (s.float_v, v)):
-            xb = x[fr, :, 0].to(cfg.window_dtype).unsqueeze(1)                          # [n, 1, Hkv, D]
+            xb = x[idx(full_at)].to(cfg.window_dtype).unsqueeze(1)                      # [n, 1, Hkv, D]
             if F:  # the block's other tokens are in the float ring (empty when bs == 1 and R == 0: never read)
                 held = ring[:, s.float_table[fr.unsqueeze(1), tok % F // bs], tok % bs]    # [Hkv, n, bs, D]
                 xb = torch.where(new.view(*new.shape, 1, 1), xb, held.permute(1, 2, 0, 3))
@@ -207,13 +223,13 @@ def _append_one_token(s: LayerStorage, k: Tensor, v: Tensor, rows: list[int], qu
     if sink_rows:
         sr, sp = idx(sink_rows), idx(sink_pos)
         where = (slice(None), s.sink_table[sr], sp)
-        s.sink_k[where] = k[sr, :, 0].transpose(0, 1).to(cfg.sink_dtype)
-        s.sink_v[where] = v[sr, :, 0].transpose(0, 1).to(cfg.sink_dtype)
+        s.sink_k[where] = k[idx(sink_at)].transpose(0, 1).to(cfg.sink_dtype)
+        s.sink_v[where] = v[idx(sink_at)].transpose(0, 1).to(cfg.sink_dtype)
     if float_rows:
         fr2, row = idx(float_rows), idx(float_row)
         where = (slice(None), s.float_table[fr2, row // bs], row % bs)
-        s.float_k[where] = k[fr2, :, 0].transpose(0, 1).to(cfg.window_dtype)
-        s.float_v[where] = v[fr2, :, 0].transpose(0, 1).to(cfg.window_dtype)
+        s.float_k[where] = k[idx(float_at)].transpose(0, 1).to(cfg.window_dtype)
+        s.float_v[where] = v[idx(float_at)].transpose(0, 1).to(cfg.window_dtype)
     s.seq_lens[rows] += 1
     return saved
 

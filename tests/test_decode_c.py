@@ -109,7 +109,7 @@ def test_backend_choice_and_refusals(monkeypatch, tmp_path):
         SinkQuantCache(cfg, 1, 1, 1, 520, backend="c")
     # a machine whose compiler fails: auto falls back to torch, "c" says why
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setenv("QSINKKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QSINKKV_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="false -O3 -march=native .* failed: .*; false -O3 -fopenmp-simd .* failed"):
         decode_c._load()
     monkeypatch.setattr(decode_c, "_lib", None)
@@ -125,7 +125,7 @@ def test_backend_choice_and_refusals(monkeypatch, tmp_path):
 def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path):
     """Issue 24.4: an empty or truncated cached .so made available() say "file too short" for good."""
     # each load in its own process, as in life (truncating a library this process has mapped would crash it)
-    env = dict(os.environ, QSINKKV_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, QSINKKV_CACHE=str(tmp_path))
     load = [sys.executable, "-c", "from qsinkkv import decode_c; print(decode_c.available())"]
     assert "(True," in subprocess.run(load, env=env, capture_output=True, text=True, check=True).stdout
     (lib,) = tmp_path.glob("decode_c-*.so")
@@ -139,13 +139,13 @@ def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path):
 @pytest.mark.parametrize("cc", ["cc -O2", "env cc"])
 def test_cc_with_arguments_is_split_as_a_shell_would(monkeypatch, tmp_path, cc):
     """Issue 24.9: CC='gcc -O2' (or 'ccache gcc') was taken as one program name."""
-    monkeypatch.setenv("QSINKKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QSINKKV_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", cc)
     assert decode_c._load().qsinkkv_args_size() > 0
 
 
 def test_auto_warns_when_it_falls_back_for_a_reason_but_no_compiler(monkeypatch, tmp_path):
-    monkeypatch.setenv("QSINKKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QSINKKV_CACHE", str(tmp_path))
     for cc, warns in (("false", True), ("/no/such/compiler", False)):
         monkeypatch.setenv("CC", cc)
         monkeypatch.setattr(decode_c, "_lib", None)

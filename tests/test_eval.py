@@ -19,7 +19,6 @@ def model_tok():
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, monkeypatch_module):
     out = tmp_path_factory.mktemp("report")
-    monkeypatch_module.setenv("QSINKKV_EVAL_QUIET", "1")
     # 224 tokens: KIVI keeps the newest 128 in bf16, so its first blocks are read quantized from token 159 on
     assert cli.main(["report", "--tokens", "224", "--out", str(out), "--quiet"]) == 0
     return out, json.loads((out / "results.json").read_text())
@@ -150,7 +149,6 @@ def test_replay_tracks_a_real_token_by_token_stream():
 
 
 def test_stream_detects_evicted_sinks(tmp_path, monkeypatch):
-    monkeypatch.setenv("QSINKKV_EVAL_QUIET", "1")
     assert cli.main(["stream", "--tokens", "320", "--capacity", "64", "--window", "64", "--out", str(tmp_path)]) == 0
     rows = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["stream"]["rows"]}
     for contract in ("absolute", "cache_index"):  # both contracts, by default; the claims hold under each

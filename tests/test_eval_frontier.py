@@ -32,7 +32,6 @@ def model_tok():
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, monkeypatch_module):
     """One frontier run: the grid and every baseline (quanto included: every token is visible)."""
-    monkeypatch_module.setenv("QSINKKV_EVAL_QUIET", "1")
     out = tmp_path_factory.mktemp("frontier")
     assert cli.main(["frontier", "--tokens", str(TOKENS), "--grid", *GRID, "--out", str(out), "--quiet"]) == 0
     return out, json.loads((out / "results.json").read_text())["frontier"]

@@ -83,11 +83,9 @@ def test_rows_compare_over_the_same_positions(monkeypatch):
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory-of")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QSINKKV_EVAL_QUIET", "1")
-        # bf16:128 on the default model: int4 holds 196 tokens, so 200 tokens leave 3 predictions after fill
-        assert cli.main(["stream", "--tokens", "200", "--memory-of", "bf16:128", "--positions", "absolute",
-                         "--window", "64", "--out", str(out), "--quiet"]) == 0
+    # bf16:128 on the default model: int4 holds 196 tokens, so 200 tokens leave 3 predictions after fill
+    assert cli.main(["stream", "--tokens", "200", "--memory-of", "bf16:128", "--positions", "absolute",
+                     "--window", "64", "--out", str(out), "--quiet"]) == 0
     return out, json.loads((out / "results.json").read_text())["stream"]
 
 

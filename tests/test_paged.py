@@ -33,10 +33,10 @@ def check_accounting(cache):
     assert len(held["quant"]) == sum(min(L.quantized_blocks(x), L.quant_slots) for x in m)
     assert len(held["sink"]) == cache.batch_size
     for kind, blocks in held.items():
-        free = cache._free[kind]
+        free = cache.blocks.free[kind]
         assert len(set(blocks)) == len(blocks), f"a {kind} block is shared"
         assert not set(blocks) & set(free), f"a held {kind} block is also free"
-        assert sorted(blocks + free) == list(range(cache._sizes[kind])), f"{kind} blocks leaked or duplicated"
+        assert sorted(blocks + free) == list(range(cache.blocks.sizes[kind])), f"{kind} blocks leaked or duplicated"
     assert cache.blocks_in_use() == {kind: len(b) for kind, b in held.items()}
     sizes = block_bytes(cache.config, HKV, D)
     assert cache.nbytes_in_use() == cache.num_layers * sum(sizes[k] * len(b) for k, b in held.items())
@@ -45,14 +45,14 @@ def check_accounting(cache):
 
 
 def snapshot(cache):
-    return (cache.seq_ids[:], {k: v[:] for k, v in cache._free.items()},
+    return (cache.seq_ids[:], {k: v[:] for k, v in cache.blocks.free.items()},
             [(layer.seq_lens.clone(), layer.sink_table.clone(), layer.float_table.clone(), layer.quant_table.clone(),
               {n: t.clone() for n, t in layer.tensors().items()}) for layer in cache.layers])
 
 
 def assert_unchanged(cache, snap):
     ids, free, layers = snap
-    assert cache.seq_ids == ids and cache._free == free
+    assert cache.seq_ids == ids and cache.blocks.free == free
     for layer, (lens, st_, ft, qt, tensors) in zip(cache.layers, layers):
         assert torch.equal(layer.seq_lens, lens)
         assert torch.equal(layer.sink_table, st_) and torch.equal(layer.float_table, ft)
@@ -79,7 +79,7 @@ def test_schedule_equals_each_sequence_alone(bits, S, W, bs, R, rope, seed, ops)
     layers = 2
     pool = PagedCache.for_bytes(cfg, layers, HKV, D, 3 * sequence_bytes(cfg, layers, HKV, D), dtype=torch.float32,
                                 rotary=rotary)
-    assert pool._sizes["sink"] == 3
+    assert pool.blocks.sizes["sink"] == 3
     g = torch.Generator().manual_seed(seed)
     alone, history, released = {}, {}, []
     for op in ops + [("step", [1] * 8)]:
@@ -212,6 +212,69 @@ def test_packed_input_equals_padded_and_slot_mapping_names_where_tokens_land():
         assert (meta.slot_mapping >= 0).any()
     with pytest.raises(ValueError, match="query_start_loc must be"):
         packed.attend_packed(0, torch.randn(3, HKV * G, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D), [0, 1, 2])
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_packed_step_on_a_dense_cache_equals_padded_and_each_row_alone(bits):
+    """Issue 24.3: ``attend_packed`` runs its rows by group (one-token rows decode, longer rows prefill padded
+    to their own longest), never padded to ``[B, T_max]``; the answer is the padded step's, bit for bit, and
+    each row's is the row's alone. The schedule crosses the sinks, fills and wraps the window, idles rows."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=8, bits=bits, block_size=2, value_group_size=4)
+    B = 4
+    packed, padded = (SinkQuantCache(cfg, 1, B, HKV, D, dtype=torch.float32) for _ in range(2))
+    alone = [SinkQuantCache(cfg, 1, 1, HKV, D, dtype=torch.float32) for _ in range(B)]
+    g = torch.Generator().manual_seed(bits)
+    for lens in ([2, 1, 0, 5], [1, 1, 1, 1], [9, 1, 3, 0], [1, 0, 1, 12], [0, 0, 0, 0], [1, 6, 1, 1]):
+        T = max(max(lens), 1)
+        q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (HKV * G, HKV, HKV))
+        real = torch.arange(T) < torch.tensor(lens).unsqueeze(1)
+        pack = lambda x: x.transpose(1, 2)[real]  # noqa: E731
+        qsl = torch.tensor([0, *lens]).cumsum(0)
+        out = packed.attend_packed(0, pack(q), pack(k), pack(v), qsl)
+        ref = padded.attend(0, q, k, v, lens)
+        assert out.shape == (sum(lens), HKV * G, D)
+        assert torch.equal(out, pack(ref))
+        assert packed.seq_lens().tolist() == padded.seq_lens().tolist()
+        for b, t in enumerate(lens):
+            if t:
+                mine = alone[b].attend(0, *(x[b:b + 1, :, :t] for x in (q, k, v)))
+                assert rel(out[qsl[b]:qsl[b + 1]], mine[0].transpose(0, 1)) < 1e-6
+
+
+def test_packed_refusals_name_the_input_and_change_nothing():
+    """Values are checked on the packed tokens themselves (the sinks' dtype for a sequence's first tokens, the
+    window's after), shapes by name; a refused packed step leaves the pool as it was."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
+    pool = PagedCache(cfg, 1, HKV, D, max_seqs=3, float_blocks=6, quant_blocks=12, dtype=torch.float32)
+    for _ in range(3):
+        pool.admit()
+    pool.attend_packed(0, torch.randn(6, HKV * G, D), torch.randn(6, HKV, D), torch.randn(6, HKV, D), [0, 4, 5, 6])
+    snap = snapshot(pool)
+    qsl = [0, 1, 4, 5]                                        # row 1 crosses its last sink, rows 0 and 2 decode
+    fresh = lambda: [torch.randn(5, h, D) for h in (HKV * G, HKV, HKV)]  # noqa: E731
+    for which, token, value, match in ((1, 0, float("nan"), "k contains NaN"),      # a one-token row
+                                       (2, 1, float("inf"), "v contains NaN"),      # the longer row's sink token
+                                       (1, 3, 3.4e38, "k contains NaN"),             # past bf16: window_dtype
+                                       (0, 4, float("nan"), "q contains NaN")):
+        q, k, v = fresh()
+        (q, k, v)[which][token, 0, 0] = value
+        with pytest.raises(ValueError, match=match):
+            pool.attend_packed(0, q, k, v, qsl)
+        assert_unchanged(pool, snap)
+    q, k, v = fresh()
+    for args, match in (((q[:, :3], k, v), r"q must be a packed \[N, H \(a positive multiple of Hkv=2\)"),
+                        ((q, k[..., :4], v), "k must be a packed"),
+                        ((q, k, v.double()), "v.dtype must be the cache dtype"),
+                        ((q, k, v[:4]), "query_start_loc must be")):
+        with pytest.raises(ValueError, match=match):
+            pool.attend_packed(0, *args, qsl)
+        assert_unchanged(pool, snap)
+    with pytest.raises(ValueError, match="scale must be"):
+        pool.attend_packed(0, q, k, v, qsl, scale=-1.0)
+    assert_unchanged(pool, snap)
+    out = pool.attend_packed(0, q, k, v, qsl)                 # the same step, valid, then goes through
+    assert torch.isfinite(out).all() and pool.seq_lens().tolist() == [5, 4, 2]
+    check_accounting(pool)
 
 
 def test_bad_sizes_and_calls_are_named():

@@ -18,12 +18,13 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 
 def default_model() -> str:
-    root = Path(os.environ.get("QSINKKV_CACHE", Path.home() / ".cache" / "qsinkkv"))
-    return str(root / "smollm2-135m-instruct")
+    """The default model as the main venv converted it (``make test-vllm`` runs ``make_reference.py`` there
+    first: transformers >= 5.24 is not in this venv)."""
+    from qsinkkv.models import DEFAULT_MODEL, cache_dir
+    return str(cache_dir() / DEFAULT_MODEL)
 
 
 def _manager(llm):

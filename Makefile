@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo frontier test memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
+.PHONY: install demo frontier test test-fast memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -24,6 +24,12 @@ frontier: install
 test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile
+
+# lint, then the fast lane: every test but those that load the real model (marker `model`) or take more than ~5 s
+# (marker `slow`; both registered in tests/conftest.py). About 1.5 minutes on 2 cores; `make test` stays the full suite
+test-fast: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not model and not slow"
 
 memory: install
 	$(PYTHON) benchmarks/memory.py

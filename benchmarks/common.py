@@ -1,8 +1,9 @@
 """What the benchmarks share: model shapes, timing, the device calls, JSON output and option names.
 
 Option names follow the eval's (``qsinkkv-eval``): ``--sink-tokens``, ``--recent-tokens`` / ``--capacity``,
-``--batch``, ``--context``, ``--device``, ``--backend``, ``--json``; earlier spellings (``--sinks``,
-``--batches``, ``--lengths``, ``--contexts``, ``--backends``) are still accepted, unlisted.
+``--batch``, ``--context``, ``--bits``, ``--device``, ``--backend``, ``--json``; earlier spellings (``--sinks``,
+``--sink``, ``--recent``, ``--batches``, ``--lengths``, ``--contexts``, ``--backends``) are still accepted,
+unlisted (``option``, which examples/stream_generate.py and examples/tp_generate.py use too).
 
 ``--interpret`` runs a benchmark's GPU code path on CPU tensors, its Triton kernels in Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before any kernel is built): at tiny sizes a smoke test of that path
@@ -22,12 +23,14 @@ import time
 import torch
 
 SHAPES = {"llama": (32, 8, 128), "smollm2": (9, 3, 64)}  # H, Hkv, D: Llama-3-8B, SmolLM2-135M (the default)
+SHAPE_NAMES = {"llama": "Llama-3-8B", "smollm2": "SmolLM2-135M"}  # the models whose attention shapes these are
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # --- options ---------------------------------------------------------------------------------------
-def option(ap: argparse.ArgumentParser, name: str, *old: str, **kwargs) -> None:
-    """``ap.add_argument(name, **kwargs)``, the spellings ``old`` accepted too but not listed."""
+def option(ap, name: str, *old: str, **kwargs) -> None:
+    """``ap.add_argument(name, **kwargs)``, the spellings ``old`` accepted too but not listed (``ap``: a parser,
+    or a group of one, e.g. a mutually exclusive group: an old spelling then excludes what ``name`` does)."""
     action = ap.add_argument(name, **kwargs)
     for spelling in old:
         ap.add_argument(spelling, **{**kwargs, "dest": action.dest, "default": argparse.SUPPRESS,
@@ -42,12 +45,14 @@ def add_device_options(ap: argparse.ArgumentParser, default: str | None = None) 
                          "(a smoke test at tiny sizes: its times mean nothing)")
 
 
-def add_window_options(ap: argparse.ArgumentParser, capacity: int | None) -> None:
+def add_window_options(ap: argparse.ArgumentParser, capacity: int | None, *, old_sinks=("--sinks",),
+                       old_recent=()) -> None:
     """``--sink-tokens`` (default 4) and ``--recent-tokens`` or ``--capacity`` (S + W, default ``capacity``;
-    ``None``: set by the benchmark, e.g. from the context)."""
-    option(ap, "--sink-tokens", "--sinks", type=int, default=4, help="sink tokens S (default 4)")
+    ``None``: set by the benchmark, e.g. from the context); ``old_sinks``/``old_recent``: the script's earlier
+    spellings of the first two, accepted unlisted."""
+    option(ap, "--sink-tokens", *old_sinks, type=int, default=4, help="sink tokens S (default 4)")
     window = ap.add_mutually_exclusive_group()
-    window.add_argument("--recent-tokens", type=int, help="recent tokens W")
+    option(window, "--recent-tokens", *old_recent, type=int, help="recent tokens W")
     default = f"; default {capacity}" if capacity else ""
     window.add_argument("--capacity", type=int, default=capacity, help=f"capacity S + W (instead of --recent-tokens)"
                                                                        f"{default}")
@@ -115,16 +120,19 @@ def peak_mib(fn, device) -> float | None:
 
 
 # --- timing --------------------------------------------------------------------------------------
-def wall_ms(fn, reps: int, device="cpu") -> float:
-    """Median wall-clock ms of ``reps`` calls after one untimed call (the device synchronized around each)."""
-    fn()
+def wall_ms(fn, reps: int, device="cpu", setup=None) -> float:
+    """Median wall-clock ms of ``reps`` calls after one untimed call (the device synchronized around each).
+    ``setup``: called untimed before each call, which then is ``fn(setup())`` (e.g. ``fn`` on a fresh copy of
+    a cache that the call changes)."""
     times = []
-    for _ in range(reps):
+    for i in range(reps + 1):
+        args = () if setup is None else (setup(),)
         sync(device)
         t0 = time.perf_counter()
-        fn()
+        fn(*args)
         sync(device)
-        times.append(time.perf_counter() - t0)
+        if i:  # the first call is untimed
+            times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
 

@@ -11,15 +11,17 @@ it, and how many of its loads are asynchronous copies (LDGSTS: the pipeliner pre
 blocks; 0 means each iteration waits for its own loads; per loop in address order: the sinks', the
 main one and, for int8/int4, the float blocks'), per decode variant (int8/int4: ``--decode-variant``,
 default all of them; see kernels/decode_attention.py), calls in the main loop (a division routine, say),
-and shared memory per program: a launch that needs more than the GPU has (227 KB on an H200)
-retries with fewer stages (kernels/launch.py); ``--block``/``--dims``/``--stages`` show where that
-starts.
+and shared memory per program: a launch that needs more than the GPU has (227 KB on an H200: the CUDA
+C++ Programming Guide's limit for compute capability 9.0) retries with fewer stages (kernels/launch.py);
+``--block``/``--dims``/``--stages`` show where that starts (benchmarks/results/cpu-2026-12-01g/kernel_sass_d256.md).
 
-The yardstick (design sheet): an H200 issues ~132 SMs x 4 schedulers x 1.98 GHz = 1.05e12
-warp-instructions/s against ~4.3e12 B/s of HBM, so a loop at <= ~0.24 warp-instructions per
-KV byte (instructions x warps / bytes one iteration streams) can run at full bandwidth; one
-at 1.0 cannot. A second table compiles ``_prefill_kernel`` (bf16 and fp16, its default tiles and
-launch): registers, spills, tensor-core instructions (HGMMA), whether its tile loads became
+The yardstick: an H200 issues ~132 SMs x 4 schedulers x 1.98 GHz = 1.05e12 warp-instructions/s
+(NVIDIA's H200 SXM figures: 132 SMs, a 1.98 GHz boost clock, and the Hopper whitepaper's four warp
+schedulers per SM, one instruction each per clock) against ~4.3e12 B/s of HBM (the copy bandwidth
+benchmarks/decode_attention.py measured on an H200: benchmarks/results/h200-2026-11-30/decode_attention.md),
+so a loop at <= ~0.24 warp-instructions per KV byte (instructions x warps / bytes one iteration streams)
+can run at full bandwidth; one at 1.0 cannot. A second table compiles ``_prefill_kernel`` (bf16 and fp16,
+its default tiles and launch): registers, spills, tensor-core instructions (HGMMA), whether its tile loads became
 asynchronous 16-byte copies (LDGSTS.128), and the size of each key-tile loop (one per run of
 tiles: stored sinks, stored slots, chunk sinks, the window's masked edges and unmasked inside).
 Not part of CI: Triton's NVIDIA backend must be importable (it is on x86 Linux).
@@ -42,7 +44,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from qsinkkv.ops import DECODE_VARIANTS as VARIANTS  # noqa: E402
 
-H200_BOUND = 0.24  # warp-instructions per byte at full HBM bandwidth
+H200_BOUND = 0.24  # warp-instructions per byte at full HBM bandwidth: 1.05e12 / 4.3e12 (the docstring)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _COPY = re.compile(r"\bLDGSTS\b")  # an asynchronous global-to-shared copy (cp.async)

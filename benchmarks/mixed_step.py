@@ -1,57 +1,53 @@
 """A mixed step's cost against its batch size: one row prefills a long prompt chunk while the other B - 1 rows
 decode one token each (what continuous batching does whenever a prompt joins the decoders).
 
-    python benchmarks/mixed_step.py [--batch 2 4 8 16] [--context 2048] [--bits 4]
+    python benchmarks/mixed_step.py [--batch 2 4 8 16] [--context 2048] [--bits 4] [--reps 3] [--json out.json]
+                                    [--sink-tokens 4] [--recent-tokens 252 | --capacity 256]
 
-One layer of the default model's shape (9 heads, 3 KV heads, head_dim 64), float32 on the CPU, capacity 256
-(4 sinks + 252 recent), the decoding rows 300 tokens into their streams. Times ``SinkQuantCache.attend`` on
-the padded ``[B, H, T, D]`` chunk with ``lengths`` and ``PagedCache.attend_packed`` on the same tokens packed,
-each on a fresh copy of the cache (the copy untimed). ``x B=first`` is the time over the first batch size's:
+One layer of the default model's shape (``SHAPES["smollm2"]`` of benchmarks/common.py: 9 heads, 3 KV heads,
+head_dim 64), float32 on the CPU, capacity 256 (4 sinks + 252 recent, by default), the decoding rows 300 tokens
+into their streams. Times ``SinkQuantCache.attend`` on the padded ``[B, H, T, D]`` chunk with ``lengths`` and
+``PagedCache.attend_packed`` on the same tokens packed, each on a fresh copy of the cache (the copy untimed;
+``wall_ms``' median of ``--reps`` calls after an untimed one). ``x B=first`` is the time over the first batch size's:
 the step's tokens grow by (B - first) / (context + first - 1), so a cost that follows the tokens stays near 1.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
+from common import SHAPES, add_window_options, recent_tokens, save_json, table_header, wall_ms
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import save_json, table_header  # noqa: E402
+from qsinkkv import CacheConfig, SinkQuantCache
+from qsinkkv.paged import PagedCache
 
-from qsinkkv import CacheConfig, SinkQuantCache  # noqa: E402
-from qsinkkv.paged import PagedCache  # noqa: E402
-
-H, HKV, D = 9, 3, 64
+H, HKV, D = SHAPES["smollm2"]
 HISTORY = 300
 
 
 def timed(cache, call, reps: int) -> float:
-    """Median ms of ``call(copy)`` over ``reps`` fresh copies of ``cache`` (after one untimed call)."""
-    times = []
-    for i in range(reps + 1):
-        c = copy.deepcopy(cache, {id(cache.ops): cache.ops})  # the ops (functions, modules) are shared
-        t0 = time.perf_counter()
-        call(c)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    """Median ms of ``call(copy)`` over ``reps`` fresh copies of ``cache`` (after one untimed call; the copies
+    untimed)."""
+    fresh = lambda: copy.deepcopy(cache, {id(cache.ops): cache.ops})  # noqa: E731  (the ops are shared)
+    return wall_ms(call, reps, setup=fresh)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--batch", type=int, nargs="+", default=[2, 4, 8, 16], help="batch sizes B")
     ap.add_argument("--context", type=int, default=2048, help="the prefilling row's chunk")
     ap.add_argument("--bits", type=int, default=4, choices=[16, 8, 4])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--json", default=None)
+    add_window_options(ap, 256)
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per cell (median)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "c", "torch", "triton"],
+                    help="the caches' backend (default auto)")
+    ap.add_argument("--json", help="write the configuration and rows here")
     a = ap.parse_args(argv)
-    cfg = CacheConfig(sink_tokens=4, recent_tokens=252, bits=a.bits, block_size=32, value_group_size=32)
+    a.recent_tokens = recent_tokens(a)  # the window that ran, in the JSON's config
+    a.capacity = a.sink_tokens + a.recent_tokens
+    cfg = CacheConfig(sink_tokens=a.sink_tokens, recent_tokens=a.recent_tokens, bits=a.bits, block_size=32,
+                      value_group_size=32)
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     print(f"# one layer, H {H}, Hkv {HKV}, D {D}, float32, int{a.bits}, capacity {cfg.capacity}; row 0 prefills "
@@ -61,7 +57,8 @@ def main(argv=None) -> int:
     rows, first = [], None
     for B in a.batch:
         dense = SinkQuantCache(cfg, 1, B, HKV, D, dtype=torch.float32, backend=a.backend)
-        pool = PagedCache(cfg, 1, HKV, D, max_seqs=B, float_blocks=2 * B, quant_blocks=8 * B + 64,
+        per_seq = -(-cfg.recent_tokens // cfg.block_size)  # a row's quantized blocks at capacity
+        pool = PagedCache(cfg, 1, HKV, D, max_seqs=B, float_blocks=2 * B, quant_blocks=per_seq * B + 64,
                           dtype=torch.float32, backend=a.backend)
         for _ in range(B):
             pool.admit()

@@ -33,7 +33,7 @@ CALIBRATE = "calibrate"  # in a grid's sinks: calibrate's recommended sink_token
 GRID_KEYS = dict(bits="bits", block="block_size", group="value_group_size", residual="residual_tokens",
                  sinks="sink_tokens")
 PRESETS = {
-    # the default: ~50 replays, a couple of minutes on 2 cores at 512 tokens
+    # the default: 2 x 2 x 2 x 3 x 2 = 48 grid configurations, plus the baselines
     "small": dict(bits=[8, 4], block=[32, 64], group=[32, 64], residual=[0, 64, 128], sinks=[CALIBRATE, 4]),
     "large": dict(bits=[8, 4], block=[16, 32, 64, 128], group=[16, 32, 64], residual=[0, 32, 64, 128, 256],
                   sinks=[0, CALIBRATE, 2, 4, 8]),

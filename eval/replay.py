@@ -35,12 +35,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from qsinkkv import Rotary
-from qsinkkv.attention import visible_mask
+from qsinkkv.layout import query_tiles, visible_mask
 
 from .schemes import BF16, StoredKV
 
 ATTN_IMPLEMENTATION = "qsinkkv_eval"
-QUERY_CHUNK = 256
 
 
 @dataclass
@@ -108,10 +107,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: 
         return out, None
     out = torch.empty(B, Hkv, G, T, D, device=q.device)
     probs = torch.zeros(B, Hkv, G, T, T, device=q.device) if want_probs else None
-    for t0 in range(0, T, QUERY_CHUNK):
-        t1 = min(t0 + QUERY_CHUNK, T)
-        lo = max(0, t0 - recent_tokens + 1)  # keys older than this are invisible to the whole chunk
-        idx = torch.cat((pos[:min(sink_tokens, lo)], pos[lo:t1]))
+    for t0, t1, idx in query_tiles(T, sink_tokens, recent_tokens, q.device):  # the tiling the references use
         qc = qg[:, :, :, t0:t1]
         scores = torch.einsum("bhgtd,bhnd->bhgtn", qc, kf[:, :, idx])
         if view is not None:
@@ -167,10 +163,9 @@ def positions_rotary(model, positions: str) -> Rotary | None:
 
 
 def unrotate(rotary: Rotary, x: Tensor) -> Tensor:
-    """Undo the model's RoPE (scaled by its attention factor) of ``x [B, H, T, D]`` at positions
-    ``0..T-1``: the pre-RoPE tensor, as ``QSinkKVCache`` recovers it (float32 arithmetic)."""
-    pos = torch.arange(x.shape[2], device=x.device)
-    return (rotary.rotate(x.float(), -pos, scaled=False) / rotary.attention_scaling).to(x.dtype)
+    """Undo the model's RoPE of ``x [B, H, T, D]`` at positions ``0..T-1`` (``Rotary.unrotate``, as
+    ``QSinkKVCache`` recovers it)."""
+    return rotary.unrotate(x, torch.arange(x.shape[2], device=x.device))
 
 
 def _no_mask(*args, **kwargs):

@@ -10,8 +10,9 @@ stream runs past the cache's capacity. Rank 0 prints the tokens and every rank's
 Run without torchrun it is the single-process reference.
 """
 import argparse
-import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,15 +21,18 @@ from qsinkkv import CacheConfig
 from qsinkkv.hf import QSinkKVCache
 from qsinkkv.models import default_model_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import option, save_json  # noqa: E402  (benchmarks/common.py: the shared option names, JSON output)
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=48, help="new tokens (greedy)")
     ap.add_argument("--bits", type=int, default=4, choices=[16, 8, 4])
-    ap.add_argument("--sinks", type=int, default=4)
-    ap.add_argument("--recent", type=int, default=28)
+    option(ap, "--sink-tokens", "--sinks", type=int, default=4, help="sink tokens S (default 4)")
+    option(ap, "--recent-tokens", "--recent", type=int, default=28, help="recent tokens W (default 28)")
     ap.add_argument("--prompt", default="The history of the lighthouse begins")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write the tokens and every rank's bytes here")
     a = ap.parse_args()
     tp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     path = default_model_dir()  # converted once; under torchrun every rank finds it converted
@@ -37,8 +41,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="qsinkkv", **kw).eval()
     store = dict(sink_dtype=torch.float32, window_dtype=torch.float32) if a.bits == 16 else {}
-    cfg = CacheConfig(sink_tokens=a.sinks, recent_tokens=a.recent, bits=a.bits, block_size=4, value_group_size=32,
-                      **store)
+    cfg = CacheConfig(sink_tokens=a.sink_tokens, recent_tokens=a.recent_tokens, bits=a.bits, block_size=4,
+                      value_group_size=32, **store)
     cache = QSinkKVCache(cfg, model)  # the model itself: a degree that splits a KV head is refused by name
     ids = tok(a.prompt, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -55,9 +59,7 @@ def main():
         print(tok.decode(new))
         for r in rows:
             print(f"rank {r['rank']}: {r['kv_heads']} KV heads, {r['bytes']:,} cache bytes")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(dict(world=world, tokens=new, ranks=rows), f)
+        save_json(a.json, dict(world=world, tokens=new, ranks=rows))
     if tp:
         dist.barrier()
         dist.destroy_process_group()  # a clean exit: no rank aborts on a live process group

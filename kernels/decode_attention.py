@@ -39,16 +39,20 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (``decode_attention(variant=...)``; a cache's ``decode_variant=``, bound in by ``qsinkkv.ops.select_ops``):
 #   "dequantize" (default): codes * scale + zero per element into fp32 tiles (``_block_dequantize``).
 #   "folded": values read straight from the codes, their per-token scale folded into the probabilities
-#             (``_block_folded``): fewer instructions per KV byte on sm_90a (benchmarks/kernel_sass.py);
+#             (``_block_folded``): fewer instructions per KV byte on sm_90a, at every head_dim and bit width
+#             compiled (benchmarks/kernel_sass.py, results in benchmarks/results/cpu-2026-12-01g/kernel_sass.md);
 #             validated in the interpreter, not yet on a GPU.
 #   "fp16": every scale folded out, codes as fp16 operands of tensor-core dots with fp32 accumulation
-#           (``_block_fp16``); the absolute contract only. Held to the GPU tolerance (3e-3) in the tests.
+#           (``_block_fp16``); the absolute contract only. Held to the GPU tolerance in the tests (``FP16_TOL``,
+#           tests/test_kernels.py).
 # "folded" and "fp16" need each half of the channels in one value group (value_group_size a multiple of
 # head_dim / 2, as the default 64 is for head_dim <= 128); other layouts, and bits=16 (no codes), read their
 # blocks as "dequantize" does.
 VARIANTS = ("dequantize", "folded", "fp16")
 # Pipeline stages tried in turn (launch.py): Triton's default, then fewer where a large block x
-# head_dim overflows shared memory (head_dim 256, block 128, int8: 232 KiB at 3 stages, 168 KiB at 1).
+# head_dim overflows shared memory (head_dim 256, block 128, int8: 232 KiB at 3 stages, 168 KiB at 1:
+# ``benchmarks/kernel_sass.py --dims 256 --bits 8 --block 128 --stages 3`` and ``--stages 1``, results in
+# benchmarks/results/cpu-2026-12-01g/kernel_sass_d256.md).
 STAGES = (3, 2, 1)
 
 
@@ -148,8 +152,10 @@ def _load_codes(block_ptr, t, c, DC, DHALF, t_ok, BITS: tl.constexpr, DTYPE: tl.
 @triton.jit
 def _code_to(code, DTYPE: tl.constexpr):
     """uint8 codes as ``DTYPE``. fp16 without a conversion instruction: a code sits in the mantissa
-    of 1024.0 (0x6400; its ulp is 1), so ``bits(0x6400 | code) - 1024`` is the code exactly, two
-    full-rate ops instead of a quarter-rate I2F (the fast int4 -> fp16 of TensorRT-LLM/LMDeploy)."""
+    of 1024.0 (0x6400; its ulp is 1), so ``bits(0x6400 | code) - 1024`` is the code exactly: an OR and
+    an fp16 subtraction instead of an I2F conversion, which the SMs issue at a fraction of the rate of
+    plain arithmetic (the CUDA C++ Programming Guide's table of arithmetic instruction throughput); the
+    fast int4 -> fp16 of TensorRT-LLM/LMDeploy."""
     if DTYPE == tl.float16:
         return (code.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     else:
@@ -173,8 +179,10 @@ def _ring(first, i, size):
 def _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, k_idx, inv_freq, DC, DH,
                           BITS: tl.constexpr, ROPE: tl.constexpr):
     """A quantized block's keys dequantized (and rotated by ``k_idx`` under cache_index) and its value codes,
-    as fp32 halves ``[T, DH]``. Keys stay dequantized per element: folding the scale into q costs as much on
-    the padded [BLOCK_G, DH] query tile (kernel_sass.py, when tried: more instructions per byte, spills)."""
+    as fp32 halves ``[T, DH]``. Keys stay dequantized per element here: folding their per-channel scale into q
+    instead rescales the padded [BLOCK_G, DH] query tile at every block and adds a ``q . zero`` per block (the
+    "fp16" variant does that, for its tensor-core dots; with fp32 dots no gain from it is on record: compile
+    such a variant with benchmarks/kernel_sass.py before revisiting)."""
     k_lo, k_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS)
     k_lo = k_lo * ks_lo[None, :] + kz_lo[None, :]
     k_hi = k_hi * ks_hi[None, :] + kz_hi[None, :]

@@ -1,7 +1,8 @@
 """Launching a Triton kernel with the most pipeline stages whose tiles fit the device.
 
 Every pipeline stage holds a tile of its own in shared memory, so a large block x head_dim can ask
-for more than the GPU has (an H200 gives a program 227 KB): Triton's launcher then raises
+for more than the GPU has (an H200, compute capability 9.0, gives a program at most 227 KB: the CUDA C++
+Programming Guide's table of limits per compute capability): Triton's launcher then raises
 ``OutOfResources``. ``launch`` tries the stage counts in turn, keeps the first that fits per kernel,
 configuration, argument dtypes and device (later launches start there), and refuses a
 configuration that fits with none, saying what it needs. It runs at every launch, so its

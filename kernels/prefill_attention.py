@@ -16,9 +16,10 @@ at a fixed capacity, and the extra memory is the stored slots plus the output.
 Grid ``(B * H, cdiv(T, BLOCK_M))``: one program per (sequence, query head, query tile); the query
 head h reads kv head ``h // (H / Hkv)``, and the G heads of a kv head are neighbours in launch order
 (their K/V tiles meet in L2); the first grid axis takes any batch (the second stops at 65,535
-tiles). Online softmax (base 2); the learned sink logits start the running (max, sum) at
-``(s_h, 1)`` with no value. Positions inside the kernel are int32 and
-relative to the chunk's first one (a stream is unbounded, a window is not).
+tiles: CUDA's limit on a grid's y dimension, ``maxGridSize[1]`` of the device properties). Online
+softmax (base 2); the learned sink logits start the running (max, sum) at ``(s_h, 1)`` with no value.
+Positions inside the kernel are int32 and relative to the chunk's first one (a stream is unbounded, a
+window is not).
 
 Under the ``cache_index`` contract (``rotary``) q, k and the stored keys are pre-RoPE and are turned
 as ``sink_window_attention`` turns them: a recent key and a query by their distance to a common base

@@ -3,10 +3,10 @@
 The first ``sink_tokens`` tokens stay in bf16; the newest ``recent_tokens`` are stored as
 int8/int4 per-channel-group blocks; a query sees exactly the sinks plus the window.
 """
-from .attention import sink_window_attention, visible_mask
+from .attention import sink_window_attention
 from .cache import SinkQuantCache
 from .config import CacheConfig
-from .layout import WindowLayout
+from .layout import WindowLayout, visible_mask
 from .rope import Rotary
 from .storage import LayerStorage, gather
 

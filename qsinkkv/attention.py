@@ -9,12 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .layout import visible_mask
+from .layout import QUERY_TILE, visible_mask
 from .rope import Rotary
 
-__all__ = ["sink_window_attention", "visible_mask"]
-
-_QUERY_CHUNK = 256  # bounds the [T, N] score matrix of long prefills
+__all__ = ["sink_window_attention"]
 
 
 def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, *,
@@ -52,8 +50,8 @@ def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos:
         k_sink = rotary.rotate(kf, k_pos.clamp(min=0).unsqueeze(1))
         is_sink = (k_pos < sink_tokens).view(B, 1, 1, 1, -1)
     out = torch.empty(B, Hkv, G, T, D, dtype=work, device=q.device)
-    for t0 in range(0, T, _QUERY_CHUNK):
-        t1 = min(t0 + _QUERY_CHUNK, T)
+    for t0 in range(0, T, QUERY_TILE):  # bounds the [t, N] score matrix of long prefills
+        t1 = min(t0 + QUERY_TILE, T)
         qc, pc = qg[:, :, :, t0:t1], q_pos[:, t0:t1]
         if rotary is None:
             scores = torch.einsum("bhgtd,bhnd->bhgtn", qc, kf)

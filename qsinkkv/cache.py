@@ -14,20 +14,16 @@ is stored. A chunk may be ragged: row b holds ``lengths[b]`` new tokens, the res
 """
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from . import checks, write
 from .blocks import DenseBlocks, PagedBlocks
-from .checks import host_ints
 from .config import CacheConfig
-from .layout import WindowLayout, visible_mask
+from .layout import WindowLayout
 from .ops import select_ops
 from .rope import Rotary
+from .step import Split, split_packed, split_padded
 
 # float8 model dtypes have no isfinite (and no way to refuse a NaN): not accepted
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -284,9 +280,9 @@ class SinkQuantCache:
         self._check_layer(layer)
         before = self.layers[layer].seq_lens.clone()
         try:
-            qsl, lens = self._check_packed(q, k, v, query_start_loc, scale, sink_logits)
-            split = _split_packed(q, k, v, qsl, lens)
-            self._check_values(layer, split, k, v, q, sink_logits, packed=True)
+            qsl, lens = checks.packed(self._holds(), q, k, v, query_start_loc, scale, sink_logits)
+            split = split_packed(q, k, v, qsl, lens)
+            checks.values(self.config, self.layers[layer].seq_lens, split, k, v, q, sink_logits, packed=True)
             self._reserve(layer, lens)
             out = q.new_empty(q.shape)
             one_out, multi_out = self._attend_split(layer, split, scale, sink_logits)
@@ -302,7 +298,7 @@ class SinkQuantCache:
             self._roll_back_step(layer, before, e)
             raise
 
-    def _attend_split(self, layer: int, split: _Split, scale, sink_logits) -> tuple[Tensor | None, Tensor | None]:
+    def _attend_split(self, layer: int, split: Split, scale, sink_logits) -> tuple[Tensor | None, Tensor | None]:
         """A mixed step, row group by row group: the longer rows prefill over what was stored before (and their
         own chunk in full precision), the step is stored, then the one-token rows decode, as each would alone,
         over what is stored. A step's cost follows the tokens it carries, not B x T_max.
@@ -348,235 +344,25 @@ class SinkQuantCache:
         self._check_layer(layer)
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.batch_size:
             raise IndexError(f"seq must be an int in [0, {self.batch_size}), got {seq!r}")
-        n = self.layers[layer].seq_lens[seq:seq + 1]
-        pos = torch.cat(self.layout.slot_positions(n), dim=1)[0]
-        seen = visible_mask(n - 1, pos, self.config.sink_tokens, self.config.recent_tokens)[0]
-        return sorted(pos[seen].tolist())
+        return self.layout.visible_slots(int(self.layers[layer].seq_lens[seq]))[1].tolist()
 
-    # --- validation: everything is checked before any state changes ------------------------
+    # --- validation (checks.py): everything is checked before any state changes ------------------
+    def _holds(self) -> checks.Holds:
+        return checks.Holds(self.batch_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+
     def _check_layer(self, layer) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        checks.layer_index(layer, self.num_layers)
 
-    def _check_tensor(self, name: str, x, shape: str, ndim: int = 4) -> None:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(x).__name__}")
-        if x.ndim != ndim:
-            raise ValueError(f"{name} must have {ndim} dims {shape}, got shape {tuple(x.shape)}")
-        if x.dtype != self.dtype:
-            raise ValueError(f"{name}.dtype must be the cache dtype {self.dtype}, got {x.dtype}")
-        if x.device != self.device:
-            raise ValueError(f"{name}.device must be the cache device {self.device}, got {x.device}")
-
-    def _check_kv(self, layer, k, v, lengths, *, q=None, scale=None, sink_logits=None) -> tuple[list[int], _Split]:
-        """Shapes, dtypes, devices, lengths; then one device sync for every value check (``_check_values``).
-        Returns the new tokens per row and, for a ragged chunk (``lengths`` given), its rows grouped as they
-        run (``_Split``; None otherwise)."""
-        B, H, D = self.batch_size, self.num_kv_heads, self.head_dim
-        if not B:
-            raise ValueError("the cache holds no sequence: admit() one first")
-        shape = f"[B={B}, Hkv={H}, T, D={D}]"
-        for name, x in (("k", k), ("v", v)):
-            self._check_tensor(name, x, shape)
-            if x.shape[0] != B or x.shape[1] != H or x.shape[3] != D or x.shape[2] < 1:
-                raise ValueError(f"{name} must have shape {shape} with T >= 1, got {tuple(x.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        T = k.shape[2]
-        lens = [T] * B if lengths is None else self._lengths(lengths, T)
-        if q is not None:
-            shape = f"[B={B}, H, T={T}, D={D}] with H a positive multiple of Hkv={self.num_kv_heads}"
-            self._check_tensor("q", q, shape)
-            if q.shape[0] != B or q.shape[2] != T or q.shape[3] != D or q.shape[1] % H or q.shape[1] == 0:
-                raise ValueError(f"q must have shape {shape}, got {tuple(q.shape)}")
-            self._check_scale_and_sinks(q.shape[1], scale, sink_logits)
-        split = None if lengths is None else _split_padded(q, k, v, lens)
-        self._check_values(layer, split, k, v, q, sink_logits)
+    def _check_kv(self, layer, k, v, lengths, *, q=None, scale=None, sink_logits=None) -> tuple[list[int], Split]:
+        """Shapes, dtypes, devices and lengths, then the values (one device sync). Returns the new tokens per
+        row and, for a ragged chunk (``lengths`` given), its rows grouped as they run (None otherwise)."""
+        lens = checks.chunk(self._holds(), k, v, lengths, q, scale, sink_logits)
+        split = None if lengths is None else split_padded(q, k, v, lens)
+        checks.values(self.config, self.layers[layer].seq_lens, split, k, v, q, sink_logits)
         return lens, split
 
-    def _check_packed(self, q, k, v, query_start_loc, scale, sink_logits) -> tuple[Tensor, list[int]]:
-        """``attend_packed``'s shapes, dtypes, devices and offsets: ``query_start_loc`` on the host and the new
-        tokens per row."""
-        B, Hkv, D = self.batch_size, self.num_kv_heads, self.head_dim
-        if not B:
-            raise ValueError("the cache holds no sequence: admit() one first")
-        expected = f"a 1-D int tensor of B + 1 = {B + 1} offsets from 0 to N, non-decreasing"
-        qsl = host_ints("query_start_loc", query_start_loc, expected)
-        for name, x, heads in (("q", q, f"H (a positive multiple of Hkv={Hkv})"), ("k", k, f"Hkv={Hkv}"),
-                               ("v", v, f"Hkv={Hkv}")):
-            shape = f"[N, {heads}, D={D}]"
-            if not isinstance(x, Tensor) or x.ndim != 3:
-                raise ValueError(f"{name} must be a packed {shape} tensor, got "
-                                 f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
-            self._check_tensor(name, x, shape, ndim=3)
-            if x.shape[2] != D or (x.shape[1] != Hkv if name != "q" else x.shape[1] % Hkv or not x.shape[1]):
-                raise ValueError(f"{name} must be a packed {shape} tensor, got {tuple(x.shape)}")
-        N = q.shape[0]
-        if (qsl.shape != (B + 1,) or int(qsl[0]) != 0
-                or int(qsl[-1]) != N or bool((qsl.diff() < 0).any()) or k.shape[0] != N or v.shape[0] != N):
-            raise ValueError(f"query_start_loc must be {expected} (N = {N} rows of q, k and v), got "
-                             f"{qsl.tolist() if qsl.ndim == 1 else qsl}")
-        self._check_scale_and_sinks(q.shape[1], scale, sink_logits)
-        return qsl, qsl.diff().tolist()
-
-    def _check_scale_and_sinks(self, H: int, scale, sink_logits) -> None:
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                                  or not math.isfinite(scale) or scale <= 0):
-            raise ValueError(f"scale must be a finite float > 0 (or None for D ** -0.5), got {scale!r}")
-        if sink_logits is not None:
-            if not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,) \
-                    or not sink_logits.is_floating_point():
-                raise ValueError(f"sink_logits must be a float tensor of shape [H={H}], got "
-                                 f"{getattr(sink_logits, 'dtype', type(sink_logits).__name__)} "
-                                 f"{tuple(getattr(sink_logits, 'shape', ()))}")
-            if sink_logits.device != self.device:
-                raise ValueError(f"sink_logits.device must be the cache device {self.device}, got "
-                                 f"{sink_logits.device}")
-
-    def _lengths(self, lengths, T: int) -> list[int]:
-        B = self.batch_size
-        expected = f"a 1-D int tensor (or list) of B={B} counts in [0, T={T}]"
-        t = host_ints("lengths", lengths, expected)
-        if t.shape != (B,):
-            raise ValueError(f"lengths must be {expected}, got shape {tuple(t.shape)}")
-        lens = t.tolist()
-        if min(lens) < 0 or max(lens) > T:
-            raise ValueError(f"lengths must be {expected}, got {lens}")
-        return lens
-
-    def _check_values(self, layer: int, split: _Split | None, k: Tensor, v: Tensor, q: Tensor | None,
-                      sink_logits: Tensor | None, packed: bool = False) -> None:
-        """One device sync for every value check: the K/V to be stored finite in the dtype they are stored in,
-        q finite, sink_logits free of NaN and +inf. When every token of ``k, v`` is real and goes to the window
-        (a uniform chunk past the sinks, or a packed step past them) one reduction per tensor; otherwise each
-        row group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T)."""
-        cfg, n0 = self.config, self.layers[layer].seq_lens
-        if split is None or packed:
-            busy = n0 if split is None else n0[[b for b, t in enumerate(split.lens) if t]]
-            if not busy.numel() or int(busy.min()) >= cfg.sink_tokens:
-                ok = checks.peaks_fit(k, v, q, sink_logits, cfg.window_dtype) if k.numel() else {}
-                return _raise_refused(ok, cfg)
-        ok = {"k": [], "v": [], "q": []}
-        groups = []
-        if split is None:  # a uniform chunk whose first tokens go to the sinks
-            groups.append((n0.unsqueeze(1) + torch.arange(k.shape[2]), None, q, k, v, 0))
-        elif split.one:
-            groups.append((n0[split.one].unsqueeze(1), None, split.q_one, split.k_one, split.v_one, 1))
-        if split is not None and split.multi:
-            t = torch.arange(split.k_multi.shape[2])
-            real = t < torch.tensor([split.lens[b] for b in split.multi]).unsqueeze(1)   # [n, T_multi] host
-            groups.append((n0[split.multi].unsqueeze(1) + t, real, split.q_multi, split.k_multi, split.v_multi, 0))
-        for pos, real, qg, kg, vg, one in groups:
-            if one:  # [n, heads, D] -> [n, heads, 1, D]
-                qg, kg, vg = (None if x is None else x.unsqueeze(2) for x in (qg, kg, vg))
-            ok["k"].append(checks.storable(kg, pos, real, cfg))
-            ok["v"].append(checks.storable(vg, pos, real, cfg))
-            if qg is not None:
-                ok["q"].append(checks.all_finite(qg, real))
-        if q is None:
-            del ok["q"]
-        named = {name: torch.stack(x).all() for name, x in ok.items() if x}
-        if sink_logits is not None:
-            named["sink_logits"] = ~(torch.isnan(sink_logits) | (sink_logits == float("inf"))).any()
-        _raise_refused(dict(zip(named, torch.stack(list(named.values())).tolist())) if named else {}, cfg)
-
     def _per_sequence(self, name: str, value) -> list[int]:
-        """An int for every sequence, or ``[B]`` ints."""
-        B = self.batch_size
-        expected = f"an int or {B} ints (one per sequence)"
-        if isinstance(value, int) and not isinstance(value, bool):
-            return [value] * B
-        t = host_ints(name, value, expected)
-        if t.shape != (B,):
-            raise ValueError(f"{name} must be {expected}, got {value!r}")
-        return t.tolist()
+        return checks.per_sequence(name, value, self.batch_size)
 
     def _batch_index(self, index, allow_repeats: bool = True) -> Tensor:
-        B = self.batch_size
-        expected = f"a non-empty 1-D int tensor of rows in [0, {B}) or a bool mask of length {B}"
-        try:
-            index = torch.as_tensor(index, device=self.device)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"index must be {expected}, got {index!r}") from None
-        if index.numel() == 0:  # (an empty list is read as float32)
-            raise ValueError(f"index selects no sequence; it must be {expected}")
-        if index.dtype == torch.bool:
-            if index.shape != (B,):
-                raise ValueError(f"a bool index must be a mask of length {B}, got shape {tuple(index.shape)}")
-            index = index.nonzero().flatten()
-        elif index.is_floating_point() or index.is_complex() or index.ndim != 1:
-            raise ValueError(f"index must be {expected}, got {index.dtype} of shape {tuple(index.shape)}")
-        if index.numel() == 0:
-            raise ValueError(f"the mask selects no sequence; index must be {expected}")
-        index = index.long()
-        if bool(((index < 0) | (index >= B)).any()) or (not allow_repeats and len(set(index.tolist())) < len(index)):
-            raise ValueError(f"index must be {expected}, got rows {index.tolist()}")
-        return index
-
-
-def _raise_refused(ok: dict[str, bool], cfg: CacheConfig) -> None:
-    """Raise for the first value check that failed (``ok``: check name -> passed)."""
-    bad = next((name for name, passed in ok.items() if not passed), None)
-    if bad in ("k", "v"):
-        raise ValueError(f"{bad} contains NaN or Inf, or values that overflow the storage dtype "
-                         f"(sink_dtype={cfg.sink_dtype}, window_dtype={cfg.window_dtype}); "
-                         "refusing to store it (it would poison a whole block's scales)")
-    if bad == "q":
-        raise ValueError("q contains NaN or Inf")
-    if bad == "sink_logits":
-        raise ValueError("sink_logits must be free of NaN and +inf (-inf means no sink for that head)")
-
-
-@dataclass
-class _Split:
-    """A step's new tokens grouped by how they run: the rows with one new token decode, the rows with more
-    prefill; rows with none are in neither. q is None for ``append``.
-
-    lens: [B] new tokens per row. one: the rows of one token; q_one [len(one), H, D], k_one, v_one
-    [len(one), Hkv, D]. multi: the rows of more; q_multi [len(multi), H, T_multi, D], k_multi, v_multi
-    [len(multi), Hkv, T_multi, D], row i holding ``lens[multi[i]]`` real tokens (T_multi: the longest)."""
-    lens: list[int]
-    one: list[int]
-    q_one: Tensor | None
-    k_one: Tensor | None
-    v_one: Tensor | None
-    multi: list[int]
-    q_multi: Tensor | None
-    k_multi: Tensor | None
-    v_multi: Tensor | None
-
-
-def _split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> _Split:
-    """Group the rows of a padded chunk ``[B, heads, T, D]``: views where the rows are one run."""
-    one = [b for b, t in enumerate(lens) if t == 1]
-    multi = [b for b, t in enumerate(lens) if t > 1]
-    pick = lambda x, rows, t: None if x is None or not rows else _take_rows(x[:, :, :t], rows)  # noqa: E731
-    firsts = [None if x is None or not one else _take_rows(x[:, :, 0], one) for x in (q, k, v)]
-    T_multi = max((lens[b] for b in multi), default=0)
-    return _Split(lens, one, *firsts, multi, *(pick(x, multi, T_multi) for x in (q, k, v)))
-
-
-def _split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) -> _Split:
-    """Group the rows of a packed step (``[N, heads, D]``, row b at ``[qsl[b], qsl[b+1])``): the one-token rows
-    are gathered, the longer ones padded to their longest only (one longer row: a view)."""
-    one = [b for b, t in enumerate(lens) if t == 1]
-    multi = [b for b, t in enumerate(lens) if t > 1]
-    firsts = [x[qsl[one].to(x.device)] if one else None for x in (q, k, v)]
-    if not multi:
-        return _Split(lens, one, *firsts, multi, None, None, None)
-    if len(multi) == 1:
-        start, t = int(qsl[multi[0]]), lens[multi[0]]
-        chunk = [x[start:start + t].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]   # [1, heads, t, D] views
-    else:
-        T_multi = max(lens[b] for b in multi)
-        tokens = (qsl[multi].unsqueeze(1) + torch.arange(T_multi)).clamp(max=q.shape[0] - 1)  # pads repeat a token
-        chunk = [x[tokens.to(x.device)].transpose(1, 2) for x in (q, k, v)]
-    return _Split(lens, one, *firsts, multi, *chunk)
-
-
-def _take_rows(x: Tensor, rows: list[int]) -> Tensor:
-    """``x[rows]``: a view when the rows are one contiguous run (one long row beside the decoders), else a copy."""
-    first, n = rows[0], len(rows)
-    if rows == list(range(first, first + n)):
-        return x.narrow(0, first, n)
-    return x.index_select(0, torch.tensor(rows, device=x.device))
+        return checks.batch_index(index, self.batch_size, self.device, allow_repeats)

@@ -1,14 +1,31 @@
-"""Input checks shared by the caches: pure functions that turn what a caller passed into host values,
-or raise an error naming the argument and what it must be (nothing is changed before they pass)."""
+"""Input checks: pure functions the cache calls once per call, before anything changes. Each turns what a
+caller passed into host values or raises an error naming the argument and what it must be.
+
+Shapes, dtypes, devices and counts first (``chunk``, ``packed``, ``per_sequence``, ``batch_index``,
+``layer_index``); then the values (``values``): nothing NaN/Inf, or that becomes so once cast to the dtype
+it is stored in, reaches a block (it would poison the block's scales), with one device sync per call."""
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .config import CacheConfig
+from .step import Split
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What a cache holds, as the checks read it: ``batch`` sequences of ``kv_heads`` x ``head_dim`` in
+    ``dtype`` on ``device``."""
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
 
 def host_ints(name: str, value, expected: str) -> Tensor:
@@ -31,7 +48,180 @@ def host_ints(name: str, value, expected: str) -> Tensor:
     return t.detach().to("cpu", torch.int64)
 
 
+def layer_index(layer, num_layers: int) -> None:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise IndexError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
+
+
+def tensor(name: str, x, shape: str, holds: Holds, ndim: int = 4) -> None:
+    """``x`` a tensor of ``ndim`` dims in the cache's dtype on its device (``shape`` says the rest)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims {shape}, got shape {tuple(x.shape)}")
+    if x.dtype != holds.dtype:
+        raise ValueError(f"{name}.dtype must be the cache dtype {holds.dtype}, got {x.dtype}")
+    if x.device != holds.device:
+        raise ValueError(f"{name}.device must be the cache device {holds.device}, got {x.device}")
+
+
+def chunk(holds: Holds, k, v, lengths, q=None, scale=None, sink_logits=None) -> list[int]:
+    """A padded chunk ``k, v [B, Hkv, T, D]`` (and ``q [B, H, T, D]`` for ``attend``): its new tokens per row."""
+    B, Hkv, D = holds.batch, holds.kv_heads, holds.head_dim
+    if not B:
+        raise ValueError("the cache holds no sequence: admit() one first")
+    shape = f"[B={B}, Hkv={Hkv}, T, D={D}]"
+    for name, x in (("k", k), ("v", v)):
+        tensor(name, x, shape, holds)
+        if x.shape[0] != B or x.shape[1] != Hkv or x.shape[3] != D or x.shape[2] < 1:
+            raise ValueError(f"{name} must have shape {shape} with T >= 1, got {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    T = k.shape[2]
+    lens = [T] * B if lengths is None else _lengths(lengths, B, T)
+    if q is not None:
+        shape = f"[B={B}, H, T={T}, D={D}] with H a positive multiple of Hkv={Hkv}"
+        tensor("q", q, shape, holds)
+        if q.shape[0] != B or q.shape[2] != T or q.shape[3] != D or q.shape[1] % Hkv or q.shape[1] == 0:
+            raise ValueError(f"q must have shape {shape}, got {tuple(q.shape)}")
+        _scale_and_sinks(q.shape[1], scale, sink_logits, holds.device)
+    return lens
+
+
+def packed(holds: Holds, q, k, v, query_start_loc, scale=None, sink_logits=None) -> tuple[Tensor, list[int]]:
+    """Packed tokens ``q [N, H, D]``, ``k, v [N, Hkv, D]`` and their offsets: ``query_start_loc`` on the host
+    and the new tokens per row."""
+    B, Hkv, D = holds.batch, holds.kv_heads, holds.head_dim
+    if not B:
+        raise ValueError("the cache holds no sequence: admit() one first")
+    expected = f"a 1-D int tensor of B + 1 = {B + 1} offsets from 0 to N, non-decreasing"
+    qsl = host_ints("query_start_loc", query_start_loc, expected)
+    for name, x, heads in (("q", q, f"H (a positive multiple of Hkv={Hkv})"), ("k", k, f"Hkv={Hkv}"),
+                           ("v", v, f"Hkv={Hkv}")):
+        shape = f"[N, {heads}, D={D}]"
+        if not isinstance(x, Tensor) or x.ndim != 3:
+            raise ValueError(f"{name} must be a packed {shape} tensor, got "
+                             f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+        tensor(name, x, shape, holds, ndim=3)
+        if x.shape[2] != D or (x.shape[1] != Hkv if name != "q" else x.shape[1] % Hkv or not x.shape[1]):
+            raise ValueError(f"{name} must be a packed {shape} tensor, got {tuple(x.shape)}")
+    N = q.shape[0]
+    if (qsl.shape != (B + 1,) or int(qsl[0]) != 0
+            or int(qsl[-1]) != N or bool((qsl.diff() < 0).any()) or k.shape[0] != N or v.shape[0] != N):
+        raise ValueError(f"query_start_loc must be {expected} (N = {N} rows of q, k and v), got "
+                         f"{qsl.tolist() if qsl.ndim == 1 else qsl}")
+    _scale_and_sinks(q.shape[1], scale, sink_logits, holds.device)
+    return qsl, qsl.diff().tolist()
+
+
+def per_sequence(name: str, value, batch: int) -> list[int]:
+    """An int for every sequence, or ``[B]`` ints."""
+    expected = f"an int or {batch} ints (one per sequence)"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * batch
+    t = host_ints(name, value, expected)
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return t.tolist()
+
+
+def batch_index(index, batch: int, device: torch.device, allow_repeats: bool = True) -> Tensor:
+    """Rows ``[0, batch)`` as a 1-D int64 tensor on ``device``, from a list or int tensor of rows or a bool mask."""
+    expected = f"a non-empty 1-D int tensor of rows in [0, {batch}) or a bool mask of length {batch}"
+    try:
+        index = torch.as_tensor(index, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"index must be {expected}, got {index!r}") from None
+    if index.numel() == 0:  # (an empty list is read as float32)
+        raise ValueError(f"index selects no sequence; it must be {expected}")
+    if index.dtype == torch.bool:
+        if index.shape != (batch,):
+            raise ValueError(f"a bool index must be a mask of length {batch}, got shape {tuple(index.shape)}")
+        index = index.nonzero().flatten()
+    elif index.is_floating_point() or index.is_complex() or index.ndim != 1:
+        raise ValueError(f"index must be {expected}, got {index.dtype} of shape {tuple(index.shape)}")
+    if index.numel() == 0:
+        raise ValueError(f"the mask selects no sequence; index must be {expected}")
+    index = index.long()
+    if bool(((index < 0) | (index >= batch)).any()) or (not allow_repeats and len(set(index.tolist())) < len(index)):
+        raise ValueError(f"index must be {expected}, got rows {index.tolist()}")
+    return index
+
+
+def _lengths(lengths, batch: int, T: int) -> list[int]:
+    expected = f"a 1-D int tensor (or list) of B={batch} counts in [0, T={T}]"
+    t = host_ints("lengths", lengths, expected)
+    if t.shape != (batch,):
+        raise ValueError(f"lengths must be {expected}, got shape {tuple(t.shape)}")
+    lens = t.tolist()
+    if min(lens) < 0 or max(lens) > T:
+        raise ValueError(f"lengths must be {expected}, got {lens}")
+    return lens
+
+
+def _scale_and_sinks(H: int, scale, sink_logits, device: torch.device) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a finite float > 0 (or None for D ** -0.5), got {scale!r}")
+    if sink_logits is not None:
+        if not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,) or not sink_logits.is_floating_point():
+            raise ValueError(f"sink_logits must be a float tensor of shape [H={H}], got "
+                             f"{getattr(sink_logits, 'dtype', type(sink_logits).__name__)} "
+                             f"{tuple(getattr(sink_logits, 'shape', ()))}")
+        if sink_logits.device != device:
+            raise ValueError(f"sink_logits.device must be the cache device {device}, got {sink_logits.device}")
+
+
 # --- values: nothing that is NaN/Inf, or becomes so once stored, reaches a block -----------------------
+
+def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor, v: Tensor, q: Tensor | None,
+           sink_logits: Tensor | None, packed: bool = False) -> None:
+    """One device sync for every value check: the K/V to be stored finite in the dtype they are stored in
+    (a sequence's first ``sink_tokens`` in ``sink_dtype``, later ones in ``window_dtype``; ``seq_lens [B]`` host:
+    tokens held before the step), q finite, sink_logits free of NaN and +inf. When every token of ``k, v`` is
+    real and goes to the window (a uniform chunk past the sinks, or a packed step past them) one reduction per
+    tensor; otherwise each row group of ``split`` on only the columns that hold real tokens (a mixed step must
+    not cost B x T)."""
+    n0 = seq_lens
+    if split is None or packed:
+        busy = n0 if split is None else n0[[b for b, t in enumerate(split.lens) if t]]
+        if not busy.numel() or int(busy.min()) >= config.sink_tokens:
+            return _raise_refused(peaks_fit(k, v, q, sink_logits, config.window_dtype) if k.numel() else {}, config)
+    ok = {"k": [], "v": [], "q": []}
+    groups = []  # (positions [n, T] host, real [n, T] host or None, q, k, v [n, heads, T, D])
+    if split is None:  # a uniform chunk whose first tokens go to the sinks
+        groups.append((n0.unsqueeze(1) + torch.arange(k.shape[2]), None, q, k, v))
+    else:
+        if split.one:  # [n, heads, D] -> [n, heads, 1, D]
+            groups.append((n0[split.one].unsqueeze(1), None,
+                           *(None if x is None else x.unsqueeze(2) for x in (split.q_one, split.k_one, split.v_one))))
+        if split.multi:
+            t = torch.arange(split.k_multi.shape[2])
+            real = t < torch.tensor([split.lens[b] for b in split.multi]).unsqueeze(1)
+            groups.append((n0[split.multi].unsqueeze(1) + t, real, split.q_multi, split.k_multi, split.v_multi))
+    for pos, real, qg, kg, vg in groups:
+        ok["k"].append(storable(kg, pos, real, config))
+        ok["v"].append(storable(vg, pos, real, config))
+        if qg is not None:
+            ok["q"].append(all_finite(qg, real))
+    named = {name: torch.stack(x).all() for name, x in ok.items() if x}
+    if sink_logits is not None:
+        named["sink_logits"] = ~(torch.isnan(sink_logits) | (sink_logits == float("inf"))).any()
+    _raise_refused(dict(zip(named, torch.stack(list(named.values())).tolist())) if named else {}, config)
+
+
+def _raise_refused(ok: dict[str, bool], config: CacheConfig) -> None:
+    """Raise for the first value check that failed (``ok``: check name -> passed)."""
+    bad = next((name for name, passed in ok.items() if not passed), None)
+    if bad in ("k", "v"):
+        raise ValueError(f"{bad} contains NaN or Inf, or values that overflow the storage dtype "
+                         f"(sink_dtype={config.sink_dtype}, window_dtype={config.window_dtype}); "
+                         "refusing to store it (it would poison a whole block's scales)")
+    if bad == "q":
+        raise ValueError("q contains NaN or Inf")
+    if bad == "sink_logits":
+        raise ValueError("sink_logits must be free of NaN and +inf (-inf means no sink for that head)")
+
 
 def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None,
               window_dtype: torch.dtype) -> dict[str, bool]:

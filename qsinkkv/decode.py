@@ -12,8 +12,9 @@ with the same ``gather_into`` into one float32 buffer that lives across calls an
 keys, then the values), and attends in three large ops (scores, softmax, values), with the G
 query heads of a KV head as G rows over its keys and the visible set (built once per model
 step) as an additive mask. On the CPU a handful of large ops beat folding the scales into the
-products: at 2k tokens (D 64, 3 KV heads, 2 cores) the folded int4 path spent most of its time
-in 99 batched ``[3, 32] @ [32, 64]`` products, one per block, and in ~60 small ops per layer.
+products: the folded path runs one small batched product per window block plus a few small ops
+each, and their per-call overhead outweighs the work (``benchmarks/decode_attention.py``: the folded
+path in ``benchmarks/results/cpu-2026-12-01d/decode_attention_before.md``, this one beside it).
 Not PyTorch's fused SDPA: its CPU kernel gives a row of a batch a result a rounding apart from
 the same row alone, and these products are bit-identical either way.
 Absolute contract only: under ``cache_index`` every key is rotated by its own index; the cache
@@ -31,9 +32,9 @@ from .rope import Rotary
 from .storage import LayerStorage, gather, gather_into
 
 # The float32 buffer of one chunk of (KV heads, sequences): small enough to stay in the last-level
-# cache while it is filled and read (one buffer for a whole llama-shaped layer at L 4096, B 4 is
-# 67 MB, and ran far slower than chunks of one head on 2 AMD cores with a 32 MB L3), large enough
-# that the chunks' small ops do not add up.
+# cache while it is filled and read (one buffer for a whole llama-shaped layer at 4,096 tokens and 4
+# sequences would be 8 heads x 4 x 4096 x 128 x 4 bytes = 64 MiB for K alone, more than a CPU's L3),
+# large enough that the chunks' small ops do not add up.
 BUFFER_BYTES = 8 << 20
 
 

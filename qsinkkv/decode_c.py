@@ -4,7 +4,7 @@ contract as ``decode.decode_attention_torch`` (absolute positions, ``q [B, H, D]
 its reference is ``decode.decode_attention_reference``.
 
 Why C: on the CPU the PyTorch path writes the whole window into a float32 buffer at every layer of
-every step and reads it back (several passes over 4 bytes per element, and ~80 ops per call); this
+every step and reads it back (several passes over 4 bytes per element, and many small ops per call); this
 reads each code once (0.5 or 1 byte per element) in one call. The file is compiled once per machine
 with the system C compiler (``cc``, or ``$CC``; ``-O3 -march=native``, or without ``-march=native``
 where the compiler refuses it) into ``models.cache_dir()`` (``$QSINKKV_CACHE``, else
@@ -191,8 +191,9 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
               sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table),
               q=q32.data_ptr(), bias=bias.data_ptr(), sink_logits=ptr(logits),
               scale=D ** -0.5 if scale is None else scale, out=out.data_ptr())
-    # threads only for large work: inside a model the handoff to a pool thread, competing with PyTorch's own
-    # spinning OpenMP workers, cost more than it saved at 2k tokens on the default model (2 cores)
+    # threads only for large work: inside a model the handoff to a pool thread competes with PyTorch's own
+    # spinning OpenMP workers (on 2 cores it made a 2k-token step of the default model slower: an A/B not
+    # recorded in the repository; rerun benchmarks/generate.py with THREAD_WORK lowered to check)
     units = Hkv * B
     threads = min(torch.get_num_threads(), units, units * s.layout.num_slots * D // THREAD_WORK)
     if threads > 1:

@@ -38,6 +38,21 @@ def visible_mask(q_pos: Tensor, k_pos: Tensor, sink_tokens: int, recent_tokens: 
     return (k >= 0) & (k <= q) & ((k < sink_tokens) | (k > q - recent_tokens))
 
 
+QUERY_TILE = 256  # queries per tile in the references and the eval's replay: bounds a tile's [t, N] scores
+
+
+def query_tiles(T: int, sink_keys: int, recent_tokens: int, device: torch.device | str = "cpu"):
+    """Tiles of ``QUERY_TILE`` queries over a chunk whose keys are its own tokens ``0..T-1``: yields
+    ``(t0, t1, keys)``, ``keys`` the chunk tokens a query in ``[t0, t1)`` can see at all, ascending: its first
+    ``sink_keys`` tokens (those that are sinks) older than the window of the tile's first query, then
+    ``[lo, t1)``. Older keys are outside every window of the tile, so time and memory grow linearly in T."""
+    for t0 in range(0, T, QUERY_TILE):
+        t1 = min(t0 + QUERY_TILE, T)
+        lo = max(t0 - recent_tokens + 1, 0)
+        keys = torch.cat((torch.arange(min(sink_keys, lo), device=device), torch.arange(lo, t1, device=device)))
+        yield t0, t1, keys
+
+
 @dataclass(frozen=True)
 class WindowLayout:
     config: CacheConfig
@@ -101,6 +116,12 @@ class WindowLayout:
         """Oldest recent index a query at the newest position sees."""
         return max(m - self.recent_tokens, 0)
 
+    def overwrites_live_float(self, r: int, quantized_before: int) -> bool:
+        """The undo rule: does writing recent token ``r`` (or any of a run ending at ``r``) over its float-ring
+        row overwrite a token the shorter stream still reads there? The row held token ``r - float_rows``, which
+        is unquantized (read from the ring) at ``quantized_before`` quantized blocks if it is past them."""
+        return r - self.float_rows >= quantized_before * self.block_size
+
     def first_kept_block(self, m: int) -> int:
         """Blocks before this one hold no visible token and may be overwritten."""
         return self.first_visible(m) // self.block_size
@@ -122,6 +143,16 @@ class WindowLayout:
             self._seen.clear()
             self._seen[key] = bias
         return bias
+
+    def visible_slots(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        """A row's visible set, in order: the slots (in ``slot_positions`` order, ``gather``'s columns) that a
+        query at the newest position of a sequence of ``seq_len`` tokens sees, sorted by position, and those
+        positions (host int64 ``[n]`` each). The one answer to "which (position, k, v) does the row see"."""
+        pos = torch.cat(self.slot_positions(torch.tensor([seq_len])), dim=1)[0]
+        seen = visible_mask(torch.tensor([seq_len - 1]), pos, self.sink_tokens, self.recent_tokens)[0]
+        slots = seen.nonzero().flatten()
+        slots = slots[torch.argsort(pos[slots])]
+        return slots, pos[slots]
 
     def slot_positions(self, seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Logical position held by every storage slot, per sequence of length ``seq_lens [B]``:

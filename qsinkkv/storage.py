@@ -125,6 +125,12 @@ class LayerStorage:
         """Bytes of the pools (every block, held or free)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    def to(self, device: torch.device | str) -> LayerStorage:
+        """A copy on ``device``: the pools and tables moved, ``seq_lens`` (host) copied."""
+        moved = {name: getattr(self, name).to(device, copy=True) for name in (*STORAGE_TENSORS, "sink_table",
+                                                                            "float_table", "quant_table")}
+        return replace(self, **moved, seq_lens=self.seq_lens.clone())
+
     def rows(self, b: int) -> LayerStorage:
         """Sequence ``b`` alone: the same pools, its table rows and a view of its length (writing through
         it writes this storage)."""

@@ -43,13 +43,13 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
     if k.shape[2] == 1 and min(lengths) == 1 and len(set(n0)) == 1 and _stays_float(storage.layout, n0[0]):
         # the common decode step: one token per row into the float ring, no block completes, nothing
         # the shorter stream reads is overwritten (the row held a token already quantized or empty)
-        L, s = storage.layout, storage
-        row = (n0[0] - L.sink_tokens) % L.float_rows
+        layout, s = storage.layout, storage
+        row = (n0[0] - layout.sink_tokens) % layout.float_rows
         for ring, x in ((s.float_k, k), (s.float_v, v)):
             if s.dense:  # each sequence's float ring is one run of rows: a strided copy
-                ring.view(ring.shape[0], len(n0), L.float_rows, -1)[:, :, row].copy_(x[:, :, 0].transpose(0, 1))
+                ring.view(ring.shape[0], len(n0), layout.float_rows, -1)[:, :, row].copy_(x[:, :, 0].transpose(0, 1))
             else:
-                ring[:, s.float_table[:, row // L.block_size], row % L.block_size] = \
+                ring[:, s.float_table[:, row // layout.block_size], row % layout.block_size] = \
                     x[:, :, 0].transpose(0, 1).to(ring.dtype)
         storage.seq_lens += 1
         return Undo(before, [])
@@ -91,73 +91,78 @@ def undo(storage: LayerStorage, record: Undo) -> None:
 
 @dataclass
 class _Plan:
-    """One uniform part of a write (rows that all hold ``n0`` tokens and get ``T`` more), computed
-    and quantized but not yet written."""
+    """One uniform part of a write (rows that all hold ``held`` tokens and get ``T`` more), computed
+    and quantized but not yet written. Counts of recent tokens and of quantized blocks, before and after
+    the chunk; blocks ``[first_block, quantized_after)`` are quantized by it."""
     storage: LayerStorage
     k: Tensor
     v: Tensor
-    n0: int
-    n_sink: int
-    m0: int
-    m1: int
-    q0: int
-    q1: int
-    first: int
-    float_k: Tensor | None  # the chunk's tokens that stay unquantized: recent [max(m0, q1*bs), m1), as given
-    float_v: Tensor | None
+    held: int
+    to_sinks: int                # the chunk's first tokens that go to the sinks
+    recent_before: int
+    recent_after: int
+    quantized_before: int
+    quantized_after: int
+    first_block: int
+    float_k: Tensor | None       # the chunk's tokens that stay unquantized: recent
+    float_v: Tensor | None       # [max(recent_before, quantized_after * bs), recent_after), as given
     quantized: tuple | None
 
 
 def _plan(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> _Plan:
-    L, cfg = s.layout, s.layout.config
+    layout, cfg = s.layout, s.layout.config
     bs = cfg.block_size
-    n0, T = int(s.seq_lens[0]), k.shape[2]
-    n_sink = min(max(cfg.sink_tokens - n0, 0), T)
-    m0, m1 = L.recent_count(n0), L.recent_count(n0 + T)
-    q0, q1 = L.quantized_blocks(m0), L.quantized_blocks(m1)
-    # Blocks before `first` are never visible again: neither quantize nor store them.
-    first = max(q0, L.first_kept_block(m1))
-    start, end = first * bs, q1 * bs           # blocks [first, q1) are quantized now: recent [start, end)
-    lo = max(start, m0)                        # the chunk's first recent token that is stored at all
-    recent = [x[:, :, n_sink + lo - m0:] for x in (k, v)] if m1 > lo else None  # tokens [lo, m1)
+    held, T = int(s.seq_lens[0]), k.shape[2]
+    to_sinks = min(max(cfg.sink_tokens - held, 0), T)
+    recent_before, recent_after = layout.recent_count(held), layout.recent_count(held + T)
+    quantized_before, quantized_after = layout.quantized_blocks(recent_before), layout.quantized_blocks(recent_after)
+    # Blocks before `first_block` are never visible again: neither quantize nor store them.
+    first_block = max(quantized_before, layout.first_kept_block(recent_after))
+    start, end = first_block * bs, quantized_after * bs  # the blocks quantized now: recent tokens [start, end)
+    lo = max(start, recent_before)                       # the chunk's first recent token that is stored at all
+    recent = [x[:, :, to_sinks + lo - recent_before:] for x in (k, v)] if recent_after > lo else None  # [lo, after)
     quantized = None
     if end > start:
         blocks = []
         for ring, x in ((s.float_k, recent[0] if recent else None), (s.float_v, recent[1] if recent else None)):
-            parts = [ring[_float_index(s, start, min(m0, end))].transpose(0, 1)] if start < m0 else []
+            # the block's older tokens are in the float ring, the newer ones in the chunk
+            parts = [ring[_float_index(s, start, min(recent_before, end))].transpose(0, 1)] \
+                if start < recent_before else []
             if end > lo:  # window_dtype first: a block is quantized from its window_dtype values
                 parts.append(x[:, :, :end - lo].to(cfg.window_dtype))
             tokens = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
             B, H, _, D = tokens.shape
-            blocks.append(tokens.reshape(B, H, q1 - first, bs, D))
+            blocks.append(tokens.reshape(B, H, quantized_after - first_block, bs, D))
         quantized = (quantizer.quantize_key_blocks(blocks[0], cfg.bits, cfg.scale_dtype)
                      + quantizer.quantize_values(blocks[1], cfg.bits, cfg.value_group_size, cfg.scale_dtype))
-    f0 = max(m0, end)
+    float_from = max(recent_before, end)
     float_k = float_v = None
-    if m1 > f0:
-        float_k, float_v = (x[:, :, f0 - lo:] for x in recent)
-    return _Plan(s, k, v, n0, n_sink, m0, m1, q0, q1, first, float_k, float_v, quantized)
+    if recent_after > float_from:
+        float_k, float_v = (x[:, :, float_from - lo:] for x in recent)
+    return _Plan(s, k, v, held, to_sinks, recent_before, recent_after, quantized_before, quantized_after,
+                 first_block, float_k, float_v, quantized)
 
 
 def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
-    s, L, cfg = p.storage, p.storage.layout, p.storage.layout.config
-    bs, T = cfg.block_size, p.k.shape[2]
+    s, layout, cfg = p.storage, p.storage.layout, p.storage.layout.config
+    T = p.k.shape[2]
     saved = []
     if p.quantized is not None:
-        slots = torch.arange(p.first, p.q1, device=s.device) % L.quant_slots
+        slots = torch.arange(p.first_block, p.quantized_after, device=s.device) % layout.quant_slots
         where = (slice(None), s.quant_table[:, slots])                        # pool[where]: [Hkv, B, n, ...]
-        if p.q0 > L.first_kept_block(p.m0):  # the shorter stream's live blocks may share these slots
+        # the shorter stream's live blocks may share these slots
+        if p.quantized_before > layout.first_kept_block(p.recent_before):
             saved += [_save(getattr(s, name), where) for name in QUANT_TENSORS]
         for name, src in zip(QUANT_TENSORS, p.quantized):
             getattr(s, name)[where] = src.transpose(0, 1)
-    if p.n_sink:  # sink slots past the old length: nothing live is overwritten
-        where = (slice(None), s.sink_table[:, None], torch.arange(p.n0, p.n0 + p.n_sink, device=s.device))
-        s.sink_k[where] = p.k[:, :, :p.n_sink].transpose(0, 1).to(cfg.sink_dtype)
-        s.sink_v[where] = p.v[:, :, :p.n_sink].transpose(0, 1).to(cfg.sink_dtype)
+    if p.to_sinks:  # sink slots past the old length: nothing live is overwritten
+        where = (slice(None), s.sink_table[:, None], torch.arange(p.held, p.held + p.to_sinks, device=s.device))
+        s.sink_k[where] = p.k[:, :, :p.to_sinks].transpose(0, 1).to(cfg.sink_dtype)
+        s.sink_v[where] = p.v[:, :, :p.to_sinks].transpose(0, 1).to(cfg.sink_dtype)
     if p.float_k is not None:
-        n, F = p.float_k.shape[2], L.float_rows
-        where = _float_index(s, p.m1 - n, p.m1)
-        if p.m1 - F > p.q0 * bs:  # new rows land on rows holding the shorter stream's float tokens
+        n = p.float_k.shape[2]
+        where = _float_index(s, p.recent_after - n, p.recent_after)
+        if layout.overwrites_live_float(p.recent_after - 1, p.quantized_before):
             saved += [_save(t, where) for t in (s.float_k, s.float_v)]
         for ring, x in ((s.float_k, p.float_k), (s.float_v, p.float_v)):
             ring[where] = x.transpose(0, 1).to(ring.dtype)
@@ -169,8 +174,8 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
     """One new token for each sequence in ``rows`` (``k, v [len(rows), Hkv, D]``, in that order), each at
     its own length, written with one indexed write per tensor (row by row would cost a pass per sequence).
     The lists below name each sequence twice: its row in the storage and its place ``i`` in ``k, v``."""
-    L, cfg = s.layout, s.layout.config
-    S, bs, F, nq = cfg.sink_tokens, cfg.block_size, L.float_rows, max(L.quant_slots, 1)
+    layout, cfg = s.layout, s.layout.config
+    S, bs, F, nq = cfg.sink_tokens, cfg.block_size, layout.float_rows, max(layout.quant_slots, 1)
     sink_rows, sink_at, sink_pos, float_rows, float_at, float_row = [], [], [], [], [], []
     full_rows, full_at, full_block = [], [], []  # sequences whose new token completes a block that stays visible
     live_rows = []                               # sequences whose new float row holds a token the shorter stream reads
@@ -182,14 +187,14 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
             sink_pos.append(n)
             continue
         r = n - S                            # the new token's recent index
-        q0, q1 = L.quantized_blocks(r), L.quantized_blocks(r + 1)
+        q0, q1 = layout.quantized_blocks(r), layout.quantized_blocks(r + 1)
         if r >= q1 * bs:                     # it stays unquantized (else it completes its own block now)
             float_rows.append(b)
             float_at.append(i)
             float_row.append(r % F)
-            if r - F >= q0 * bs:             # the row held token r - F, still unquantized at length n
+            if layout.overwrites_live_float(r, q0):
                 live_rows.append(b)
-        if q1 > max(q0, L.first_kept_block(r + 1)):
+        if q1 > max(q0, layout.first_kept_block(r + 1)):
             full_rows.append(b)
             full_at.append(i)
             full_block.append(q1 - 1)
@@ -234,11 +239,11 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
     return saved
 
 
-def _stays_float(L, n: int) -> bool:
+def _stays_float(layout, n: int) -> bool:
     """Does the token at position n go to the float ring and complete no block?"""
-    r = n - L.sink_tokens
-    q = L.quantized_blocks(r + 1)
-    return r >= 0 and q == L.quantized_blocks(r) and r >= q * L.block_size
+    r = n - layout.sink_tokens
+    q = layout.quantized_blocks(r + 1)
+    return r >= 0 and q == layout.quantized_blocks(r) and r >= q * layout.block_size
 
 
 def _save(t: Tensor, index: tuple) -> tuple[Tensor, tuple, Tensor]:
@@ -259,15 +264,15 @@ def crop_refusal(storage: LayerStorage, tokens: list[int]) -> str | None:
     """Why the newest ``tokens[b]`` tokens of each row cannot be forgotten, or None: the shorter
     stream's storage must be intact (no block it needs was evicted, none it would hold unquantized
     was quantized)."""
-    L = storage.layout
+    layout = storage.layout
     for b, (n, t) in enumerate(zip(storage.seq_lens.tolist(), tokens)):
         if not 0 <= t <= n:
             return f"sequence {b} holds {n} tokens; cannot crop {t}"
-        m, m_new = L.recent_count(n), L.recent_count(n - t)
-        if L.quantized_blocks(m_new) != L.quantized_blocks(m):
+        m, m_new = layout.recent_count(n), layout.recent_count(n - t)
+        if layout.quantized_blocks(m_new) != layout.quantized_blocks(m):
             return (f"cannot crop {t} tokens of sequence {b}: a block they share with older tokens was already "
-                    f"quantized (block_size={L.block_size}, unquantized_tokens={L.unquantized_tokens})")
-        if m > L.recent_tokens and L.first_kept_block(m_new) != L.first_kept_block(m):
+                    f"quantized (block_size={layout.block_size}, unquantized_tokens={layout.unquantized_tokens})")
+        if m > layout.recent_tokens and layout.first_kept_block(m_new) != layout.first_kept_block(m):
             return (f"cannot crop {t} tokens of sequence {b}: the shorter stream would see tokens that were "
-                    f"already evicted from the window (recent_tokens={L.recent_tokens})")
+                    f"already evicted from the window (recent_tokens={layout.recent_tokens})")
     return None

@@ -1,12 +1,13 @@
 """Cache attention vs a float64 dense oracle built from the visible-set definition.
 
 A stream: a prefill longer than the capacity, hundreds of single-token steps with a
-mid-stream chunk, for every bits value and both position contracts.
+mid-stream chunk, for every bits value and both position contracts (``helpers.run_stream``).
 """
 import pytest
 import torch
 from conftest import DEVICE, KERNEL_TOL
-from oracle import attention_oracle, bf16_exact, stored_history
+from helpers import run_stream
+from oracle import bf16_exact
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache
 
@@ -14,43 +15,6 @@ from qsinkkv import CacheConfig, Rotary, SinkQuantCache
 # (relative RMS over the stream, Gaussian K/V/Q, block 4, value group 8). Measured 0.0025
 # (int8) and 0.043 (int4) with these seeds, both contracts; the bounds leave ~2.3x headroom.
 QUANT_ERROR_BOUND = {8: 0.006, 4: 0.1}
-
-
-def rel_max(a, b):
-    return ((a.double() - b).abs().max() / b.abs().max()).item()
-
-
-def run_stream(cfg, *, B=2, Hkv=2, G=3, D=16, schedule=None, rotary=None, sink_logits=None, seed=0,
-               backend="torch", device="cpu"):
-    """Drive a cache through ``schedule`` (chunk sizes); return (max rel error vs the oracle on
-    stored K/V, relative RMS error vs full-precision attention)."""
-    schedule = schedule or [50] + [1] * 120 + [7] + [1] * 120
-    N = sum(schedule)
-    g = torch.Generator().manual_seed(seed)
-    k, v, q = (bf16_exact(B, h, N, D, generator=g) for h in (Hkv, Hkv, Hkv * G))
-    cache = SinkQuantCache(cfg, 1, B, Hkv, D, dtype=torch.float32, rotary=rotary, backend=backend, device=device)
-    logits = None if sink_logits is None else sink_logits.to(device)
-    S, W = cfg.sink_tokens, cfg.recent_tokens
-    worst, outs, n = 0.0, [], 0
-    for T in schedule:
-        out = cache.attend(0, *(x[:, :, n:n + T].to(device) for x in (q, k, v)), sink_logits=logits).cpu()
-        if T == 1:
-            stored = stored_history(k, v, n + 1, cfg)
-            source = lambda i: stored  # noqa: E731
-        else:
-            prior = stored_history(k, v, n, cfg)
-            full = (torch.cat((prior[0], k[:, :, n:n + T].double()), 2),
-                    torch.cat((prior[1], v[:, :, n:n + T].double()), 2))
-            source = lambda i: full  # noqa: E731
-        ref = attention_oracle(q[:, :, n:n + T], source, S, W, range(n, n + T), rotary, sink_logits)
-        worst = max(worst, rel_max(out, ref))
-        outs.append(out)
-        n += T
-    assert cache.seq_length == N
-    exact = attention_oracle(q, lambda i: (k.double(), v.double()), S, W, range(N), rotary, sink_logits)
-    got = torch.cat(outs, dim=2).double()
-    rms = ((got - exact).norm() / exact.norm()).item()
-    return worst, rms
 
 
 ROTARY = Rotary.from_schedule(16, base=10000.0)

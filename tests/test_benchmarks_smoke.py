@@ -30,6 +30,9 @@ CASES = {  # script and tiny arguments -> the table header it must print
                             "--baselines", "--interpret"], "| context | cache | ms/token |"),
 }
 
+# generate.py runs the default model; e2e_decode builds and runs a random Llama (~6 s on 2 cores)
+CASE_MARKS = {"generate": pytest.mark.model, "generate_interpret": pytest.mark.model, "e2e_decode": pytest.mark.slow}
+
 
 def env(**extra):
     """The qsinkkv this test imports (a script's own directory would come first on its sys.path); one thread:
@@ -39,7 +42,7 @@ def env(**extra):
                 OMP_NUM_THREADS="1", **extra)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=CASE_MARKS[c]) if c in CASE_MARKS else c for c in CASES])
 def test_benchmark_runs_tiny(case, tmp_path):
     if case == "e2e_decode":
         pytest.importorskip("transformers")
@@ -67,6 +70,7 @@ def test_benchmark_runs_tiny(case, tmp_path):
     assert rows and len(rows) == (3 if case == "e2e_decode" else 1)
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny(tmp_path):
     """benchmarks/gpu_check.sh itself, every step at tiny sizes on the CPU (``GPU_CHECK_TINY=1``): each step
     exits 0 and each benchmark writes its rows, the GPU code paths of decode_attention.py (every decode

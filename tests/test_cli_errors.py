@@ -1,6 +1,6 @@
-"""qsinkkv-eval's failure paths: bad --text and --out are refused before any work, and an
-interrupted run (Ctrl-C, SIGTERM) leaves neither a hidden temp folder nor an --out it created.
-No model is loaded: cli.run is replaced by a stub in every test."""
+"""qsinkkv-eval's command line (eval/cli.py) and its failure paths: bad arguments, --text and --out are refused
+before any work, and an interrupted run (Ctrl-C, SIGTERM) leaves neither a hidden temp folder nor an --out it
+created. No model is loaded: every refusal comes before cli.run, which is a stub wherever a test goes further."""
 import os
 import signal
 import subprocess
@@ -107,6 +107,7 @@ def test_sigterm_raises_and_restores_the_previous_handler():
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+@pytest.mark.slow
 def test_sigterm_while_writing_cleans_up(tmp_path):
     """A real SIGTERM in a real process (by default it would kill it before any cleanup):
     the hidden temp folder and the --out folder the run created go, what was there stays."""
@@ -130,19 +131,67 @@ def test_sigterm_while_writing_cleans_up(tmp_path):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
-def test_tune_budget_below_one_byte_is_printed_as_asked():
-    """--budget 1.5 is 1.5 bytes/token (any plain number above 1): the messages say 1.5, not a rounded 2."""
-    from qsinkkv import CacheConfig
-    from qsinkkv.eval import footprint, frontier
+# --- bad arguments, refused before any work ------------------------------------------------------------------
 
-    budget = frontier.Budget.parse("1.5")
-    assert budget.bytes_per_token == 1.5
-    geo = footprint.Geometry(2, 1, 16)
-    with pytest.raises(ValueError) as e:
-        frontier.check_budget([CacheConfig(sink_tokens=1, recent_tokens=15, bits=4, block_size=8,
-                                           value_group_size=16)], budget, geo, 16)
-    assert "no configuration of the grid fits 1.5 bytes/token" in str(e.value)
-    best = dict(kl=0.01, ppl=10.0, delta_pct=1.0, memory=dict(bytes_per_token=1.0, bf16_fraction=0.001))
-    r = dict(budget=dict(text="1.5", limit_bytes_per_token=1.5), capacity=16, within=1, considered=1,
-             config_line="CacheConfig()", best=best, tokens=16, positions="absolute")
-    assert report.tune_summary(r).startswith("budget 1.5: 1.5 bytes/token at capacity 16")
+@pytest.mark.parametrize("argv,message", [
+    (["ppl", "--text", "/no/such/file.txt"], "--text /no/such/file.txt: no such file"),
+    (["ppl", "--bits", "3"], "--bits must be 8 and/or 4, got 3"),
+    (["stream", "--capacity", "3", "--sink-tokens", "4"], "--capacity (3) must be larger than --sink-tokens (4)"),
+    (["kv", "--schemes", "int3-magic"], "--schemes: unknown scheme 'int3-magic'"),
+    (["kv", "--tokens", "100000"], "--tokens must be <= 4096"),
+    (["stream", "--tokens", "300"], "--tokens (300) must exceed the capacity (512)"),
+    (["ppl", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
+    (["calibrate", "--recent-tokens", "0"], "--recent-tokens must be >= 1"),
+    (["kv", "--tokens", "200", "--sink-tokens", "300"], "--sink-tokens must be >= 0 and < --tokens (200), got 300"),
+    (["kv", "--bits", "8", "--schemes", "qsinkkv-int4"], "--schemes qsinkkv-int4 is not measured at --bits 8"),
+    (["report", "--tokens", "100"], "4 x --tokens (the stream part) (400) must exceed the capacity (512)"),
+])
+def test_bad_arguments_fail_cleanly(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(argv + ["--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # no partial report
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert cli.main(["ppl", "--out", str(blocker / "sub")]) == 2
+    assert "is not a writable directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["tune"], "the following arguments are required: --budget"),
+    (["tune", "--budget", "cheap"], "--budget must be a fraction of the bf16 cache's bytes in (0, 1]"),
+    (["tune", "--budget", "0"], "--budget must be a fraction"),
+    (["tune", "--budget", "120%"], "more than the bf16 cache"),
+    (["frontier", "--grid", "bits=3"], "--grid bits must be 8 and/or 4, got 3"),
+    (["frontier", "--grid", "colour=4"], "--grid 'colour=4': expected a preset"),
+    (["frontier", "--grid", "block=0"], "--grid block must be >= 1"),
+    (["frontier", "--grid", "sinks=x"], "--grid sinks: 'x' is not a non-negative int (or calibrate)"),
+    (["frontier", "--tokens", "64", "--grid", "residual=80", "sinks=1"], "--grid residual 80 must be <= the recent"),
+    (["frontier", "--tokens", "64", "--grid", "sinks=64"], "--grid sinks 64 must be < the capacity (64)"),
+    (["frontier", "--tokens", "64"], "--grid sinks=calibrate runs calibrate, which needs 81 <= --tokens"),
+    (["frontier", "--capacity", "600"], "--capacity (600) must be <= --tokens (512)"),
+    (["frontier", "--schemes", "none", "bf16"], "--schemes none excludes every baseline: give it alone"),
+    (["frontier", "--grid", "bits=8", "--schemes", "qsinkkv-int4"], "--schemes qsinkkv-int4 is not measured"),
+    (["ppl", "--positions", "relative"], "argument --positions: invalid choice: 'relative'"),
+])
+def test_bad_frontier_and_tune_arguments_fail_before_any_work(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("run() reached: the model would be loaded"))
+    out = tmp_path / "out"
+    try:
+        code = cli.main(argv + ["--out", str(out)])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_memory_of_with_a_capacity_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("run() reached"))
+    out = tmp_path / "out"
+    assert cli.main(["stream", "--memory-of", "bf16:256", "--capacity", "256", "--out", str(out)]) == 2
+    assert "--memory-of sets every scheme's capacity" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,7 +1,7 @@
 """The C decode (``qsinkkv.decode_c``, the "c" backend's decode) vs the PyTorch reference and the
 float64 oracle: every bits and dtype, ragged and paged batches, bit-identical rows alone and on
 any thread, and how the backend is chosen when C is not at hand. (Every layout of the kernel tests,
-beside the PyTorch CPU path: ``tests/test_kernels.py::test_cpu_decode_matches_reference_and_rows_alone``.)"""
+beside the PyTorch CPU path: ``tests/test_decode.py::test_cpu_decode_matches_reference_and_rows_alone``.)"""
 import os
 import subprocess
 import sys
@@ -9,14 +9,13 @@ import warnings
 
 import pytest
 import torch
-from test_attention import run_stream
-from test_kernels import D, random_storage_layer, rel_rms
-from test_paged import scattered_pool
+from helpers import random_storage_layer, rel_rms, run_stream, scattered_pool
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, decode_c
 from qsinkkv.decode import decode_attention_reference
 
 pytestmark = pytest.mark.skipif(not decode_c.available()[0], reason=f"no C decode: {decode_c.available()[1]}")
+D = 16
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
@@ -122,6 +121,7 @@ def test_backend_choice_and_refusals(monkeypatch, tmp_path):
         decode_c._load()
 
 
+@pytest.mark.slow
 def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path):
     """Issue 24.4: an empty or truncated cached .so made available() say "file too short" for good."""
     # each load in its own process, as in life (truncating a library this process has mapped would crash it)

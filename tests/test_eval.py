@@ -1,4 +1,6 @@
-"""qsinkkv-eval on the real default model (a few hundred tokens; no network)."""
+"""qsinkkv-eval on the real default model (a few hundred tokens; no network): the report, the replay against the
+real cache, kv, stream and calibrate. (The frontier and tune: test_eval_frontier.py; --memory-of:
+test_eval_memory.py; the command line's refusals: test_cli_errors.py.)"""
 import json
 import math
 import types
@@ -10,24 +12,15 @@ pytest.importorskip("transformers")
 from qsinkkv import CacheConfig, SinkQuantCache  # noqa: E402
 from qsinkkv.eval import calibrate, cli, data, replay, schemes  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def model_tok():
-    return data.load(None, "cpu", torch.bfloat16)
+MODEL_DTYPE = torch.bfloat16  # conftest.py's model_tok: the model as the eval loads it, in bf16
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, monkeypatch_module):
+def report(tmp_path_factory, monkeypatch_module, default_model):
     out = tmp_path_factory.mktemp("report")
     # 224 tokens: KIVI keeps the newest 128 in bf16, so its first blocks are read quantized from token 159 on
     assert cli.main(["report", "--tokens", "224", "--out", str(out), "--quiet"]) == 0
     return out, json.loads((out / "results.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def all_schemes():
@@ -122,6 +115,7 @@ def test_replay_equals_the_real_cache_decode(bits, S, W, bs, R):
     assert ((out - stream).norm() / stream.norm()).item() < 1e-5
 
 
+@pytest.mark.model  # a float32 model of its own
 def test_replay_tracks_a_real_token_by_token_stream():
     """End to end on the model (float32): the replay's per-token log-probs match a stream through
     QSinkKVCache; only float noise differs (it can flip a bf16 rounding or an int4 code)."""
@@ -148,6 +142,7 @@ def test_replay_tracks_a_real_token_by_token_stream():
     assert torch.corrcoef(torch.stack((par, seq)))[0, 1] > 0.99
 
 
+@pytest.mark.model
 def test_stream_detects_evicted_sinks(tmp_path, monkeypatch):
     assert cli.main(["stream", "--tokens", "320", "--capacity", "64", "--window", "64", "--out", str(tmp_path)]) == 0
     rows = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["stream"]["rows"]}
@@ -161,26 +156,6 @@ def test_stream_detects_evicted_sinks(tmp_path, monkeypatch):
     assert bf16["absolute"]["after_fill"] != bf16["cache_index"]["after_fill"]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["ppl", "--text", "/no/such/file.txt"], "--text /no/such/file.txt: no such file"),
-    (["ppl", "--bits", "3"], "--bits must be 8 and/or 4, got 3"),
-    (["stream", "--capacity", "3", "--sink-tokens", "4"], "--capacity (3) must be larger than --sink-tokens (4)"),
-    (["kv", "--schemes", "int3-magic"], "--schemes: unknown scheme 'int3-magic'"),
-    (["kv", "--tokens", "100000"], "--tokens must be <= 4096"),
-    (["stream", "--tokens", "300"], "--tokens (300) must exceed the capacity (512)"),
-    (["ppl", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
-    (["calibrate", "--recent-tokens", "0"], "--recent-tokens must be >= 1"),
-    (["kv", "--tokens", "200", "--sink-tokens", "300"], "--sink-tokens must be >= 0 and < --tokens (200), got 300"),
-    (["kv", "--bits", "8", "--schemes", "qsinkkv-int4"], "--schemes qsinkkv-int4 is not measured at --bits 8"),
-    (["report", "--tokens", "100"], "4 x --tokens (the stream part) (400) must exceed the capacity (512)"),
-])
-def test_bad_arguments_fail_cleanly(argv, message, tmp_path, capsys):
-    out = tmp_path / "out"
-    assert cli.main(argv + ["--out", str(out)]) == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()  # no partial report
-
-
 def test_calibrate_warnings():
     cfg = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
     cfg.get_text_config = lambda decoder=True: cfg
@@ -190,13 +165,6 @@ def test_calibrate_warnings():
     plain = types.SimpleNamespace(layer_types=["full_attention"])
     plain.get_text_config = lambda decoder=True: plain
     assert calibrate.model_warnings(types.SimpleNamespace(config=plain, named_parameters=lambda: iter([]))) == []
-
-
-def test_unwritable_out_fails_before_any_work(tmp_path, capsys):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("x")
-    assert cli.main(["ppl", "--out", str(blocker / "sub")]) == 2
-    assert "is not a writable directory" in capsys.readouterr().err
 
 
 def test_short_text_keeps_kivi_unquantized(model_tok):

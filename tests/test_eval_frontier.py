@@ -1,4 +1,5 @@
-"""qsinkkv-eval frontier / tune, the bytes in the tables, and the cache_index replay (issue 13).
+"""qsinkkv-eval frontier / tune (eval/frontier.py, eval/footprint.py), the bytes in the tables, and the cache_index
+replay (issue 13).
 
 On the real default model with a tiny grid and a short text (the default grid and text are what
 the README's tables come from)."""
@@ -10,7 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, quant  # noqa: E402
-from qsinkkv.eval import cli, data, footprint, frontier, replay, schemes  # noqa: E402
+from qsinkkv.eval import cli, data, footprint, frontier, replay, report, schemes  # noqa: E402
+
+MODEL_DTYPE = torch.float32  # conftest.py's model_tok: the model as the eval loads it
 
 TOKENS = 96
 # 16 configurations whose bytes differ (block, group, residual and sinks all move them); no calibrate:
@@ -19,18 +22,7 @@ GRID = ["bits=8,4", "block=16,32", "group=32", "residual=0,16", "sinks=1,4"]
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module")
-def model_tok():
-    return data.load(None, "cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def swept(tmp_path_factory, monkeypatch_module):
+def swept(tmp_path_factory, monkeypatch_module, default_model):
     """One frontier run: the grid and every baseline (quanto included: every token is visible)."""
     out = tmp_path_factory.mktemp("frontier")
     assert cli.main(["frontier", "--tokens", str(TOKENS), "--grid", *GRID, "--out", str(out), "--quiet"]) == 0
@@ -159,6 +151,7 @@ def test_tune_returns_the_least_kl_within_the_budget(swept, tmp_path, capsys):
     assert real_cache_bytes(want["config"], footprint.Geometry(30, 3, 64)) <= budget * TOKENS * 23040
 
 
+@pytest.mark.model  # refused once the model's geometry is known
 def test_tune_refuses_a_budget_nothing_fits(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["tune", "--budget", "0.05", "--tokens", "64", "--grid", "bits=4", "block=16", "group=32",
@@ -168,6 +161,7 @@ def test_tune_refuses_a_budget_nothing_fits(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.model
 def test_tune_refuses_before_calibrating_when_no_sink_count_could_fit(tmp_path, capsys, monkeypatch):
     from qsinkkv.eval import calibrate
 
@@ -179,40 +173,29 @@ def test_tune_refuses_before_calibrating_when_no_sink_count_could_fit(tmp_path, 
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["tune"], "the following arguments are required: --budget"),
-    (["tune", "--budget", "cheap"], "--budget must be a fraction of the bf16 cache's bytes in (0, 1]"),
-    (["tune", "--budget", "0"], "--budget must be a fraction"),
-    (["tune", "--budget", "120%"], "more than the bf16 cache"),
-    (["frontier", "--grid", "bits=3"], "--grid bits must be 8 and/or 4, got 3"),
-    (["frontier", "--grid", "colour=4"], "--grid 'colour=4': expected a preset"),
-    (["frontier", "--grid", "block=0"], "--grid block must be >= 1"),
-    (["frontier", "--grid", "sinks=x"], "--grid sinks: 'x' is not a non-negative int (or calibrate)"),
-    (["frontier", "--tokens", "64", "--grid", "residual=80", "sinks=1"], "--grid residual 80 must be <= the recent"),
-    (["frontier", "--tokens", "64", "--grid", "sinks=64"], "--grid sinks 64 must be < the capacity (64)"),
-    (["frontier", "--tokens", "64"], "--grid sinks=calibrate runs calibrate, which needs 81 <= --tokens"),
-    (["frontier", "--capacity", "600"], "--capacity (600) must be <= --tokens (512)"),
-    (["frontier", "--schemes", "none", "bf16"], "--schemes none excludes every baseline: give it alone"),
-    (["frontier", "--grid", "bits=8", "--schemes", "qsinkkv-int4"], "--schemes qsinkkv-int4 is not measured"),
-    (["ppl", "--positions", "relative"], "argument --positions: invalid choice: 'relative'"),
-])
-def test_bad_frontier_and_tune_arguments_fail_before_any_work(argv, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("run() reached: the model would be loaded"))
-    out = tmp_path / "out"
-    try:
-        code = cli.main(argv + ["--out", str(out)])
-    except SystemExit as e:  # argparse's own refusals
-        code = e.code
-    assert code == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()
-
-
 def test_budget_forms():
     geo = footprint.Geometry(30, 3, 64)
     assert frontier.Budget.parse("0.30").limit(geo) == pytest.approx(0.30 * 23040)
     assert frontier.Budget.parse("30%").limit(geo) == pytest.approx(0.30 * 23040)
     assert frontier.Budget.parse("7000").limit(geo) == 7000 == frontier.Budget.parse("7000B").limit(geo)
+
+
+def test_tune_budget_below_one_byte_is_printed_as_asked():
+    """--budget 1.5 is 1.5 bytes/token (any plain number above 1): the messages say 1.5, not a rounded 2."""
+    from qsinkkv import CacheConfig
+    from qsinkkv.eval import footprint, frontier
+
+    budget = frontier.Budget.parse("1.5")
+    assert budget.bytes_per_token == 1.5
+    geo = footprint.Geometry(2, 1, 16)
+    with pytest.raises(ValueError) as e:
+        frontier.check_budget([CacheConfig(sink_tokens=1, recent_tokens=15, bits=4, block_size=8,
+                                           value_group_size=16)], budget, geo, 16)
+    assert "no configuration of the grid fits 1.5 bytes/token" in str(e.value)
+    best = dict(kl=0.01, ppl=10.0, delta_pct=1.0, memory=dict(bytes_per_token=1.0, bf16_fraction=0.001))
+    r = dict(budget=dict(text="1.5", limit_bytes_per_token=1.5), capacity=16, within=1, considered=1,
+             config_line="CacheConfig()", best=best, tokens=16, positions="absolute")
+    assert report.tune_summary(r).startswith("budget 1.5: 1.5 bytes/token at capacity 16")
 
 
 # --- the cache_index contract ------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_rows_compare_over_the_same_positions(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
+def small_run(tmp_path_factory, default_model):
     out = tmp_path_factory.mktemp("memory-of")
     # bf16:128 on the default model: int4 holds 196 tokens, so 200 tokens leave 3 predictions after fill
     assert cli.main(["stream", "--tokens", "200", "--memory-of", "bf16:128", "--positions", "absolute",
@@ -126,20 +126,13 @@ def test_bad_memory_of_exits_2_naming_the_flag(value, message, tmp_path, capsys,
     assert not out.exists()
 
 
-def test_memory_of_with_a_capacity_is_refused(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("run() reached"))
-    out = tmp_path / "out"
-    assert cli.main(["stream", "--memory-of", "bf16:256", "--capacity", "256", "--out", str(out)]) == 2
-    assert "--memory-of sets every scheme's capacity" in capsys.readouterr().err
-    assert not out.exists()
-
-
 @pytest.mark.parametrize("argv,message", [
     # int8's smallest cache (4 sinks + one quantized block + the bf16 filling block) is ~102 bf16 tokens
     (["--memory-of", "bf16:64"], "less than the smallest cache of 'sinks + int8'"),
     (["--memory-of", "bf16:4"], "less than the smallest cache of 'sinks + bf16 window'"),
     (["--memory-of", "bf16:512", "--tokens", "1000"], "must be at least"),
 ])
+@pytest.mark.model  # refused once the model's geometry is known
 def test_a_budget_no_cache_fits_exits_2_writing_nothing(argv, message, tmp_path, capsys, monkeypatch):
     from qsinkkv.eval import replay
 

@@ -1,4 +1,5 @@
-"""The transformers integration on the real default model (SmolLM2-135M-Instruct, float32, CPU)."""
+"""The transformers integration (qsinkkv/integrations/transformers.py, ``qsinkkv.hf``) on the real default model
+(SmolLM2-135M-Instruct, float32 and float64, CPU), one model load for the file."""
 import copy
 import os
 import pydoc_data.topics
@@ -12,14 +13,17 @@ from transformers.configuration_utils import PretrainedConfig
 
 from qsinkkv import CacheConfig, sink_window_attention
 from qsinkkv.hf import QSinkKVCache, rotary_from_config
-from qsinkkv.models import load_model
 
 F32 = dict(sink_dtype=torch.float32, window_dtype=torch.float32)  # lossless storage for exactness tests
 
 
+MODEL_ATTN = None  # conftest.py's model_tok: load_model(dtype=float32), transformers' default attention
+
+
 @pytest.fixture(scope="module")
-def lm():
-    model, tok = load_model(dtype=torch.float32)
+def lm(model_tok):
+    """The model, its tokenizer and 20000 characters of pydoc's topics as token ids."""
+    model, tok = model_tok
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     ids = tok(text[:20000], return_tensors="pt").input_ids
     return model, tok, ids
@@ -194,6 +198,17 @@ def lm64(lm):
     model, tok, ids = lm
     return copy.deepcopy(model).double(), tok, ids
 
+
+@pytest.fixture(scope="module")
+def lm64_left(lm64):
+    """The float64 model with a tokenizer of its own that pads on the left (as generate's batches are)."""
+    model, tok, _ = lm64
+    model.set_attn_implementation("qsinkkv")
+    tok = copy.deepcopy(tok)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
 
 @pytest.mark.parametrize("positions", ["absolute", "cache_index"])
 @pytest.mark.parametrize("bits", [16, 4])
@@ -448,8 +463,52 @@ def test_reset_takes_a_new_batch_size(lm):
     assert torch.equal(got, ref)
 
 
+# --- padded batches in float64 (from the review of the per-sequence-lengths work, issue 10) -----------------
+
+PROMPTS = ["Once upon a time there was", "The capital of France is Paris and the capital of Italy is"]
+HF_CFG = CacheConfig(sink_tokens=4, recent_tokens=12, bits=4, block_size=4, value_group_size=32)
+
+
+# A defect the review found, now fixed: QSinkKVCache.get_seq_length returned the longest row's stored tokens,
+# which is the batch's width only when some row has no padding; transformers reads it as the columns already
+# cached. With every row padded (padding="max_length"), continuing a generation with the same cache re-fed the
+# last columns, storing those tokens a second time.
+def test_continuing_generate_when_every_row_is_padded(lm64_left):
+    from qsinkkv.hf import QSinkKVCache
+    model, tok = lm64_left
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=12, bits=16, block_size=4)
+    batch = tok(PROMPTS, return_tensors="pt", padding="max_length", max_length=16)  # both rows padded
+    with torch.no_grad():
+        whole = model.generate(**batch, cache=QSinkKVCache(cfg, model.config), max_new_tokens=8, do_sample=False)
+        cache = QSinkKVCache(cfg, model.config)
+        half = model.generate(**batch, cache=cache, max_new_tokens=4, do_sample=False)
+        width = cache.get_seq_length()                  # transformers reads this as the columns cached
+        mask = torch.cat((batch.attention_mask, torch.ones(2, 4, dtype=torch.long)), dim=1)
+        rest = model.generate(half, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False)
+    assert rest[:, -4:].tolist() == whole[:, -4:].tolist()                     # the continued tokens
+    assert cache.inner.seq_lens().tolist() == (batch.attention_mask.sum(1) + 7).tolist()  # nothing stored twice
+    assert width == half.shape[1] - 1, "get_seq_length() is not the batch's width"
+
+
+def test_left_padded_beam_search_equals_each_prompt_alone(lm64_left):
+    """num_beams=2 over a left-padded batch, past the capacity (16) with int4 blocks: each row's
+    sequence and beam score equal its prompt run alone (model in float64)."""
+    from qsinkkv.hf import QSinkKVCache
+    model, tok = lm64_left
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, num_beams=2, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(**batch, cache=QSinkKVCache(HF_CFG, model.config), **kw)
+        for i, p in enumerate(PROMPTS):
+            ids = tok(p, return_tensors="pt").input_ids
+            own = model.generate(ids, cache=QSinkKVCache(HF_CFG, model.config), **kw)
+            assert out.sequences[i, -12:].tolist() == own.sequences[0, -12:].tolist(), i
+            torch.testing.assert_close(out.sequences_scores[i], own.sequences_scores[0], rtol=1e-6, atol=1e-6)
+
+
 # --- tensor parallel ------------------------------------------------------------------------------
 
+@pytest.mark.model  # each rank loads the default model
 def test_tensor_parallel_three_ranks_equal_one_process(tmp_path):
     """torchrun, 3 ranks on CPU (gloo), the default model sharded with tp_plan="auto": each rank's
     cache holds 1 of the 3 KV heads (a third of the bytes), and a lossless stream past the capacity

@@ -1,9 +1,9 @@
-"""Triton kernels vs their PyTorch references, on the same storage.
+"""The Triton kernels (qsinkkv/kernels: quantize, decode, prefill) vs their PyTorch references, on the same
+storage, and how a cache chooses them (the Triton backend, its decode variants).
 
 On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (set in conftest.py);
 on a CUDA machine the same tests run natively.
 """
-import copy
 import dataclasses
 import functools
 import importlib
@@ -11,9 +11,9 @@ import importlib
 import pytest
 import torch
 from conftest import DEVICE, KERNEL_TOL
+from helpers import CASES, assert_same_state, filled_layer, random_storage_layer, rel, rel_rms, scattered_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reliability import assert_same_state
 from triton.runtime.errors import OutOfResources
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, quant
@@ -108,50 +108,6 @@ D = 16
 ROT = Rotary.from_schedule(D, base=1000.0)
 
 
-def filled_layer(cfg, lengths, Hkv, seed=0, rotary=None):
-    """A batch whose sequences hold ``lengths`` tokens: each sequence is streamed through its own
-    single-sequence cache (prefill + decode steps), then the storages are stacked."""
-    g = torch.Generator().manual_seed(seed)
-    singles = []
-    for n in lengths:
-        c = SinkQuantCache(cfg, 1, 1, Hkv, D, dtype=torch.float32, rotary=rotary, backend="torch")
-        first = max(n - 5, 1)
-        c.append(0, torch.randn(1, Hkv, first, D, generator=g), torch.randn(1, Hkv, first, D, generator=g))
-        for _ in range(n - first):
-            c.append(0, torch.randn(1, Hkv, 1, D, generator=g), torch.randn(1, Hkv, 1, D, generator=g))
-        singles.append(c.layers[0])
-    batch = SinkQuantCache(cfg, 1, len(lengths), Hkv, D, dtype=torch.float32, rotary=rotary, backend="torch").layers[0]
-    for name, t in batch.tensors().items():
-        t.copy_(torch.cat([s.tensors()[name] for s in singles], dim=1))  # pools are [Hkv, blocks, ...]
-    batch.seq_lens.copy_(torch.tensor(lengths))
-    return batch, singles
-
-
-def on_device(layer):
-    """A copy of ``layer`` with its storage on DEVICE (the reference keeps reading the CPU original)."""
-    moved = copy.copy(layer)
-    for name, t in layer.tensors().items():
-        setattr(moved, name, t.to(DEVICE))
-    for name in ("sink_table", "float_table", "quant_table"):
-        setattr(moved, name, getattr(layer, name).to(DEVICE))
-    return moved
-
-
-def rel_rms(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-CASES = [
-    # bits, S, W, bs, group, residual, Hkv, G, lengths
-    (4, 4, 20, 4, 8, 0, 2, 3, [57, 57]),           # ring wrapped many times
-    (8, 4, 20, 4, 8, 0, 1, 8, [1, 3, 9, 24, 25, 200]),  # per-sequence lengths: inside sinks, filling, wrapped
-    (16, 2, 13, 4, 8, 0, 2, 4, [14, 40, 7]),
-    (4, 0, 16, 8, 4, 0, 3, 1, [5, 16, 17, 99]),    # no sinks: a plain sliding window; MHA
-    (8, 3, 11, 5, 16, 4, 2, 3, [30, 12]),          # odd window and block, residual
-    (4, 1, 9, 1, 2, 0, 1, 4, [33, 4]),             # one token per block
-]
-
-
 @pytest.mark.parametrize("rope", [False, True], ids=["absolute", "cache_index"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
 def test_decode_matches_reference(variant, case, rope):
@@ -166,7 +122,7 @@ def test_decode_matches_reference(variant, case, rope):
     for b, single in enumerate(singles):
         own = decode_attention_reference(q[b:b + 1], single, rotary=rotary)
         assert rel_rms(ref[b:b + 1], own) < 1e-6
-    dev_layer = on_device(layer)
+    dev_layer = layer.to(DEVICE)
     if rope and variant == "fp16":  # keys turn by their own index: their scales cannot fold into the query
         with pytest.raises(ValueError, match=r"variant='fp16' needs the absolute contract \(rotary=None\)"):
             decode(q.to(DEVICE), dev_layer, rotary=rotary, variant=variant)
@@ -185,7 +141,7 @@ def test_decode_gqa_and_sink_logits(variant, G):
     logits = torch.randn(2 * G) * 2
     for sink_logits in (None, logits):
         ref = decode_attention_reference(q, layer, sink_logits=sink_logits)
-        out = decode(q.to(DEVICE), on_device(layer), sink_logits=None if sink_logits is None else
+        out = decode(q.to(DEVICE), layer.to(DEVICE), sink_logits=None if sink_logits is None else
                      sink_logits.to(DEVICE), num_splits=2, variant=variant)
         assert rel_rms(out.cpu(), ref) < tol(variant)
     no_logits = decode_attention_reference(q, layer)
@@ -196,7 +152,7 @@ def test_decode_bf16_query_and_scale():
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=8, block_size=8, value_group_size=8)
     layer, _ = filled_layer(cfg, [70], 2)
     q = torch.randn(1, 4, D).to(torch.bfloat16)
-    out = decode(q.to(DEVICE), on_device(layer), scale=0.3)
+    out = decode(q.to(DEVICE), layer.to(DEVICE), scale=0.3)
     assert out.dtype == torch.bfloat16
     ref = decode_attention_reference(q.float(), layer, scale=0.3)
     assert rel_rms(out.float().cpu(), ref) < 1e-2  # bf16 output rounding
@@ -205,7 +161,7 @@ def test_decode_bf16_query_and_scale():
 def test_decode_bad_arguments():
     cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=4)
     layer, _ = filled_layer(cfg, [9], 2)
-    layer = on_device(layer)
+    layer = layer.to(DEVICE)
     with pytest.raises(ValueError, match=r"q must be \[B=1, H, D=16\] with H a multiple of Hkv=2"):
         decode(torch.randn(1, 3, D, device=DEVICE), layer)
     with pytest.raises(ValueError, match=r"sink_logits must be a tensor of shape \[H=2\]"):
@@ -239,7 +195,7 @@ def test_decode_fewer_stages_where_shared_memory_is_short(monkeypatch):
     monkeypatch.setattr(launch_mod, "_fitting", {})
     for fits in (2, 2, 1):  # the last: what fitted no longer does (say, another process took memory)
         monkeypatch.setattr(decode_mod, "_decode_kernel", SharedMemoryShort(real, fits, log))
-        out = decode(q.to(DEVICE), on_device(layer), num_splits=2)
+        out = decode(q.to(DEVICE), layer.to(DEVICE), num_splits=2)
         assert rel_rms(out.cpu(), ref) < KERNEL_TOL
     assert log == [3, 2, 2, 2, 1]  # the first launch finds what fits, later ones start there and go lower
 
@@ -306,30 +262,6 @@ def test_backend_choice():
         SinkQuantCache(cfg, 1, 1, 1, 6, backend="triton", device=DEVICE)
 
 
-@pytest.mark.parametrize("op", ["torch", "c"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"int{c[0]}-S{c[1]}-W{c[2]}-bs{c[3]}-R{c[5]}-G{c[7]}")
-def test_cpu_decode_matches_reference_and_rows_alone(case, op):
-    """The CPU paths (torch: reused buffers, three products; c: qsinkkv/decode_c.c) vs
-    dequantize-then-attend, with and without sink logits (also -inf); each sequence alone gets the
-    bits it gets in the batch."""
-    from qsinkkv import decode_c
-    from qsinkkv.decode import decode_attention_torch
-    if op == "c" and not decode_c.available()[0]:
-        pytest.skip(f"no C decode: {decode_c.available()[1]}")
-    decode = decode_attention_torch if op == "torch" else decode_c.decode_attention_c
-    bits, S, W, bs, group, R, Hkv, G, lengths = case
-    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group,
-                      residual_tokens=R)
-    layer, _ = filled_layer(cfg, lengths, Hkv, seed=3)
-    q = torch.randn(len(lengths), Hkv * G, D)
-    for logits in (None, torch.randn(Hkv * G), torch.full((Hkv * G,), float("-inf"))):
-        ref = decode_attention_reference(q, layer, sink_logits=logits)
-        out = decode(q, layer, sink_logits=logits)
-        assert rel_rms(out, ref) < 1e-5
-        for b in range(len(lengths)):
-            assert torch.equal(decode(q[b:b + 1], layer.rows(b), sink_logits=logits), out[b:b + 1])
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("head_dim, group", [(12, 4), (12, 12), (20, 4), (24, 6), (12, 3)])
 def test_decode_value_groups_across_the_halves(variant, bits, head_dim, group):
@@ -347,7 +279,7 @@ def test_decode_value_groups_across_the_halves(variant, bits, head_dim, group):
     q = torch.randn(2, 6, head_dim, generator=g)
     ref = decode_attention_reference(q, layer)
     assert rel_rms(decode_attention_torch(q, layer), ref) < 1e-5
-    out = decode(q.to(DEVICE), on_device(layer), num_splits=2, variant=variant).cpu()
+    out = decode(q.to(DEVICE), layer.to(DEVICE), num_splits=2, variant=variant).cpu()
     assert rel_rms(out, ref) < tol(variant)
 
 
@@ -366,25 +298,9 @@ def test_decode_fp16_dots_keep_range(bits):
     layer = cache.layers[0]
     q = torch.randn(2, 6, D, generator=g) * 3
     ref = decode_attention_reference(q, layer, scale=1e-6)  # keep the softmax soft at these magnitudes
-    out = decode(q.to(DEVICE), on_device(layer), scale=1e-6, num_splits=2, variant="fp16").cpu()
+    out = decode(q.to(DEVICE), layer.to(DEVICE), scale=1e-6, num_splits=2, variant="fp16").cpu()
     assert torch.isfinite(out).all()
     assert rel_rms(out, ref) < max(KERNEL_TOL, FP16_TOL)
-
-
-def random_storage_layer(cfg, B, Hkv, seed=0):
-    """A layer whose every storage tensor holds fresh random data (codes, positive scales, floats):
-    which slots are live is a function of the lengths alone, so any length can be tested without
-    streaming that many tokens."""
-    g = torch.Generator().manual_seed(seed)
-    layer = SinkQuantCache(cfg, 1, B, Hkv, D, dtype=torch.float32, backend="torch").layers[0]
-    for name, t in layer.tensors().items():
-        if t.dtype == torch.uint8:
-            t.copy_(torch.randint(0, 256, t.shape, generator=g))
-        elif "scale" in name:
-            t.copy_(torch.rand(t.shape, generator=g) * 0.1 + 0.01)
-        else:
-            t.copy_(torch.randn(t.shape, generator=g))
-    return layer
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])
@@ -398,7 +314,7 @@ def test_decode_positions_past_2_31(variant, bits):
     ref = decode_attention_reference(q, layer)
     assert ref.abs().amax() > 0.1
     assert rel_rms(decode_attention_torch(q, layer), ref) < 1e-5
-    out = decode(q.to(DEVICE), on_device(layer), num_splits=2, variant=variant).cpu()
+    out = decode(q.to(DEVICE), layer.to(DEVICE), num_splits=2, variant=variant).cpu()
     assert rel_rms(out, ref) < tol(variant)
 
 
@@ -410,7 +326,7 @@ def test_decode_sink_logits_any_layout(variant):
     for logits in ((torch.randn(12) * 3)[::2], torch.tensor(1.5).expand(6), torch.randn(6, 2)[:, 1]):
         assert not logits.is_contiguous()
         ref = decode_attention_reference(q, layer, sink_logits=logits.contiguous())
-        out = decode(q.to(DEVICE), on_device(layer), sink_logits=logits.to(DEVICE), num_splits=2, variant=variant)
+        out = decode(q.to(DEVICE), layer.to(DEVICE), sink_logits=logits.to(DEVICE), num_splits=2, variant=variant)
         assert rel_rms(out.cpu(), ref) < tol(variant)
 
 
@@ -445,7 +361,7 @@ def check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, rope,
     ref = prefill_attention_reference(q, k, v, layer, lengths, sink_logits=sink_logits, rotary=rotary)
     ref64 = prefill_attention_reference(q.double(), k.double(), v.double(), layer, lengths, rotary=rotary,
                                         sink_logits=None if sink_logits is None else sink_logits.double())
-    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, rotary=rotary,
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layer.to(DEVICE), lengths, rotary=rotary,
                             sink_logits=None if sink_logits is None else sink_logits.to(DEVICE),
                             block_m=blocks[0], block_n=blocks[1]).cpu()
     pad = (torch.arange(T).view(1, 1, T, 1) >= lengths.view(B, 1, 1, 1)).expand_as(out)
@@ -501,7 +417,7 @@ def test_prefill_half_inputs(dtype):
     q, k, v = (torch.randn(2, h, 70, 32, generator=g).to(dtype) for h in (6, 2, 2))
     lengths = torch.tensor([70, 41])
     ref = prefill_attention_reference(q, k, v, layer, lengths)
-    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=32)
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layer.to(DEVICE), lengths, block_m=32)
     assert out.dtype == dtype
     assert rel_rms(out.cpu(), ref) < max(KERNEL_TOL, FP16_TOL)
 
@@ -519,15 +435,15 @@ def test_prefill_strided_chunk_and_nonfinite_padding():
     lengths = torch.tensor([40, 17])
     ref = prefill_attention_reference(q, k, v, layer, lengths)
     k[1, :, 17:], v[1, :, 17:] = float("nan"), float("inf")
-    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=16,
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layer.to(DEVICE), lengths, block_m=16,
                             block_n=16).cpu()
     assert torch.isfinite(out).all()
     assert rel_rms(out, ref) < KERNEL_TOL
     with pytest.raises(ValueError, match="block_m must be a power of two"):
-        prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=24)
+        prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layer.to(DEVICE), lengths, block_m=24)
     huge = torch.zeros(2, 4, 1, D, device=DEVICE).expand(2, 4, 65535 * 16 + 1, D)  # a view: no memory
     with pytest.raises(ValueError, match="split it into chunks"):
-        prefill_attention(huge, huge[:, :2], huge[:, :2], on_device(layer), lengths, block_m=16)
+        prefill_attention(huge, huge[:, :2], huge[:, :2], layer.to(DEVICE), lengths, block_m=16)
 
 
 def test_backend_prefill_choice():
@@ -600,6 +516,31 @@ def test_prefill_positions_past_2_31():
     q, k, v = (torch.randn(3, h, 20, D, generator=g) for h in (4, 2, 2))
     lengths = torch.tensor([20, 7, 12])
     ref = prefill_attention_reference(q, k, v, layer, lengths)
-    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(layer), lengths, block_m=16,
+    out = prefill_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layer.to(DEVICE), lengths, block_m=16,
                             block_n=16).cpu()
     assert rel_rms(out, ref) < KERNEL_TOL
+
+
+# --- paged storage: blocks read through the tables -----------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_triton_kernel_reads_the_block_table(bits):
+    """The decode and prefill kernels on a paged storage whose blocks are scattered (sequences admitted and
+    released in between) equals the reference read through the same tables."""
+    from conftest import DEVICE, KERNEL_TOL
+
+    from qsinkkv.decode import decode_attention_reference
+    from qsinkkv.kernels import decode_attention, prefill_attention
+    from qsinkkv.prefill import prefill_attention_reference
+    pool, draw = scattered_pool(bits, "triton", DEVICE)
+    layer = pool.layers[0]
+    q = draw(3, 1)[0][:, :, 0]
+    ref = decode_attention_reference(q.cpu(), layer.to("cpu"))
+    out = decode_attention(q, layer, num_splits=2).cpu()
+    assert rel(out, ref) < KERNEL_TOL
+    # the prefill kernel reads the same scattered blocks (through gather)
+    q, k, v = draw(3, 20)
+    lens = torch.tensor([20, 3, 11])
+    ref = prefill_attention_reference(q.cpu(), k.cpu(), v.cpu(), layer.to("cpu"), lens)
+    out = prefill_attention(q, k, v, layer, lens, block_m=16, block_n=16).cpu()
+    assert rel(out, ref) < KERNEL_TOL

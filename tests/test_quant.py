@@ -4,7 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsinkkv import quant
+from qsinkkv import CacheConfig, SinkQuantCache, quant
+
+D = 8
 
 
 @settings(max_examples=100, deadline=None)
@@ -91,6 +93,18 @@ def test_overflowing_scale_dtype_is_refused():
     k = torch.tensor([[-1e5], [1e5]]).expand(2, 4).unsqueeze(0)
     with pytest.raises(ValueError, match="scale_dtype"):
         quant.quantize_key_blocks(k, 8, torch.float16)
+
+
+def test_float32_scale_overflow_does_not_suggest_float32():
+    cfg = CacheConfig(sink_tokens=0, recent_tokens=4, bits=8, block_size=2, value_group_size=8,
+                      scale_dtype=torch.float32)
+    cache = SinkQuantCache(cfg, 1, 1, 1, D, dtype=torch.float32)
+    k = torch.randn(1, 1, 2, D)
+    k[0, 0, 0, 0], k[0, 0, 1, 0] = -3e38, 3e38  # their range overflows float32
+    with pytest.raises(ValueError, match="float32 is the widest scale_dtype") as err:
+        cache.append(0, k, torch.randn(1, 1, 2, D))
+    assert "use CacheConfig(scale_dtype=torch.float32)" not in str(err.value)
+    assert cache.layer_lengths() == [0]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -8,19 +8,21 @@ import pytest
 import torch
 
 from qsinkkv import CacheConfig
-from qsinkkv.models import load_model
 
 _spec = importlib.util.spec_from_file_location("serve", Path(__file__).parents[1] / "examples" / "serve.py")
 serve = sys.modules["serve"] = importlib.util.module_from_spec(_spec)  # (dataclasses look their module up)
 _spec.loader.exec_module(serve)
 
 
-@pytest.fixture(scope="module")
-def model_tok():
+MODEL_ATTN = "qsinkkv"  # conftest.py's model_tok: load_model(dtype=float32, attn_implementation="qsinkkv")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One thread, from before the model loads: the model's float32 GEMMs round the same at every batch shape here."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the model's float32 GEMMs round the same at every batch shape here
-    model, tok = load_model(dtype=torch.float32, attn_implementation="qsinkkv")
-    yield model, tok
+    torch.set_num_threads(1)
+    yield
     torch.set_num_threads(threads)
 
 

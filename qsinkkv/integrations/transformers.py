@@ -38,7 +38,6 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..attention import visible_mask
 from ..cache import SinkQuantCache
 from ..config import CacheConfig
 from ..ops import check_decode_variant
@@ -243,12 +242,9 @@ class QSinkKVCache(Cache):
             self._check_portable_padding(n0, T, forward_kwargs.get("position_ids"))
         inner.append(layer_idx, k, v)
         self._stored(layer_idx, T)
-        keys, values, pos = gather(inner.layers[layer_idx], k.dtype)
-        n = n0 + T
-        seen = visible_mask(torch.tensor([n - 1], device=pos.device), pos[0], self.config.sink_tokens,
-                            self.config.recent_tokens)[0]
-        order = torch.argsort(torch.where(seen, pos[0], pos[0].max() + 1))[: int(seen.sum())]
-        return keys[:, :, order], values[:, :, order]
+        keys, values, _ = gather(inner.layers[layer_idx], k.dtype)
+        slots = inner.layout.visible_slots(n0 + T)[0].to(keys.device)
+        return keys[:, :, slots], values[:, :, slots]
 
     def _check_portable_padding(self, n0: int, T: int, pos: Tensor | None) -> None:
         """The model's own mask cannot keep a padded row's pads out of the sinks and the window: refuse any
@@ -378,8 +374,8 @@ def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         if pos is None:
             raise ValueError("positions='cache_index' needs position_ids in the attention call")
         pos = pos.unsqueeze(1)  # [B, 1, T]
-        query = _unrotate(cache.rotary, query, pos)
-        key = _unrotate(cache.rotary, key, pos)
+        query = cache.rotary.unrotate(query, pos)
+        key = cache.rotary.unrotate(key, pos)
     real = _chunk_mask(attention_mask, query.shape[2])
     if real is None:  # every token of the chunk is real (decode steps, unpadded prompts)
         out = cache.inner.attend(module.layer_idx, query, key, value, scale=scaling)
@@ -400,11 +396,6 @@ def _chunk_mask(attention_mask, T: int) -> Tensor | None:
         raise ValueError("attn_implementation='qsinkkv' takes a 2D padding mask [batch, tokens] (or none), got "
                          f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}")
     return attention_mask
-
-
-def _unrotate(rotary: Rotary, x: Tensor, pos: Tensor) -> Tensor:
-    """Undo transformers' RoPE (scaled by attention_scaling) at absolute ``pos``."""
-    return (rotary.rotate(x.float(), -pos, scaled=False) / rotary.attention_scaling).to(x.dtype)
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,

@@ -1,10 +1,13 @@
-"""Memory: a fixed fraction of a bf16 cache, constant however long the stream."""
+"""LayerStorage (qsinkkv/storage.py): allocated once, a fixed fraction of a bf16 cache however long the stream,
+and ``nbytes`` counts every tensor."""
 import pytest
 import torch
 
 from qsinkkv import CacheConfig, SinkQuantCache
 
 D, CAP = 128, 4096
+
+
 BOUND = {4: 0.30, 8: 0.55, 16: 1.05}
 
 

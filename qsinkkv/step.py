@@ -1,0 +1,64 @@
+"""One step's new tokens grouped by how they run: the rows with one new token decode, the rows with more
+prefill, rows with none sit out. Built once per call (from a padded chunk or from packed tokens) and read by
+the checks, the write and the attention, so a step's cost follows the tokens it carries, never B x T_max."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Split:
+    """A step's new tokens grouped by how they run: the rows with one new token decode, the rows with more
+    prefill; rows with none are in neither. q is None for ``append``.
+
+    lens: [B] new tokens per row. one: the rows of one token; q_one [len(one), H, D], k_one, v_one
+    [len(one), Hkv, D]. multi: the rows of more; q_multi [len(multi), H, T_multi, D], k_multi, v_multi
+    [len(multi), Hkv, T_multi, D], row i holding ``lens[multi[i]]`` real tokens (T_multi: the longest)."""
+    lens: list[int]
+    one: list[int]
+    q_one: Tensor | None
+    k_one: Tensor | None
+    v_one: Tensor | None
+    multi: list[int]
+    q_multi: Tensor | None
+    k_multi: Tensor | None
+    v_multi: Tensor | None
+
+
+def split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> Split:
+    """Group the rows of a padded chunk ``[B, heads, T, D]``: views where the rows are one run."""
+    one = [b for b, t in enumerate(lens) if t == 1]
+    multi = [b for b, t in enumerate(lens) if t > 1]
+    pick = lambda x, rows, t: None if x is None or not rows else take_rows(x[:, :, :t], rows)  # noqa: E731
+    firsts = [None if x is None or not one else take_rows(x[:, :, 0], one) for x in (q, k, v)]
+    T_multi = max((lens[b] for b in multi), default=0)
+    return Split(lens, one, *firsts, multi, *(pick(x, multi, T_multi) for x in (q, k, v)))
+
+
+def split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) -> Split:
+    """Group the rows of a packed step (``[N, heads, D]``, row b at ``[qsl[b], qsl[b+1])``): the one-token rows
+    are gathered, the longer ones padded to their longest only (one longer row: a view)."""
+    one = [b for b, t in enumerate(lens) if t == 1]
+    multi = [b for b, t in enumerate(lens) if t > 1]
+    firsts = [x[qsl[one].to(x.device)] if one else None for x in (q, k, v)]
+    if not multi:
+        return Split(lens, one, *firsts, multi, None, None, None)
+    if len(multi) == 1:
+        start, t = int(qsl[multi[0]]), lens[multi[0]]
+        chunk = [x[start:start + t].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]   # [1, heads, t, D] views
+    else:
+        T_multi = max(lens[b] for b in multi)
+        tokens = (qsl[multi].unsqueeze(1) + torch.arange(T_multi)).clamp(max=q.shape[0] - 1)  # pads repeat a token
+        chunk = [x[tokens.to(x.device)].transpose(1, 2) for x in (q, k, v)]
+    return Split(lens, one, *firsts, multi, *chunk)
+
+
+def take_rows(x: Tensor, rows: list[int]) -> Tensor:
+    """``x[rows]``: a view when the rows are one contiguous run (one long row beside the decoders), else a copy."""
+    first, n = rows[0], len(rows)
+    if rows == list(range(first, first + n)):
+        return x.narrow(0, first, n)
+    return x.index_select(0, torch.tensor(rows, device=x.device))

@@ -1,0 +1,71 @@
+"""Prefill attention in PyTorch (qsinkkv/prefill.py): the reference and the SDPA-per-tile path on ragged chunks,
+long chunks whose tiles read only what they see, and padding (NaN/Inf included) that never reaches a real row.
+(The Triton kernel: test_kernels.py.)"""
+import pytest
+import torch
+from helpers import HKV, D, G, draw, rel
+from oracle import attention_oracle
+
+from qsinkkv import CacheConfig, Rotary, SinkQuantCache
+
+ROT = Rotary.from_schedule(D, base=100.0)
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["absolute", "cache_index"])
+def test_long_prefill_reads_only_what_each_tile_sees(rope):
+    """A prefill of 700 tokens (3 query tiles of 256) with W = 100: each tile reads the stored slots,
+    the chunk's sinks and the W keys before it; rows start at different lengths, so the chunk holds
+    sinks for one row and not the other. Equal to the float64 oracle."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=100, bits=16, sink_dtype=torch.float32,
+                      window_dtype=torch.float32, positions="cache_index" if rope else "absolute")
+    rotary = ROT if rope else None
+    g = torch.Generator().manual_seed(4)
+    cache = SinkQuantCache(cfg, 1, 2, HKV, D, dtype=torch.float32, rotary=rotary)
+    k, v, q = (torch.randn(2, h, 702, D, generator=g) for h in (HKV, HKV, HKV * G))
+    cache.append(0, k[:, :, :2], v[:, :, :2], [0, 2])                      # row 1 holds 2 tokens, row 0 none
+    chunk = [torch.cat((x[:1, :, :700], x[1:, :, 2:702])) for x in (q, k, v)]
+    out = cache.attend(0, *chunk, [700, 650])
+    for b, (n0, t) in enumerate(((0, 700), (2, 650))):
+        ref = attention_oracle(q[b:b + 1, :, n0:n0 + t], lambda i: (k[b:b + 1].double(), v[b:b + 1].double()),
+                               3, 100, range(n0, n0 + t), rotary)
+        assert rel(out[b:b + 1, :, :t], ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits,S,W,bs", [(4, 3, 20, 4), (16, 0, 9, 2), (8, 4, 300, 16)])
+def test_torch_prefill_equals_the_reference(bits, S, W, bs):
+    """The torch backend's prefill (SDPA per tile under the visible set as a mask) against the reference
+    and its float64 run, on a ragged chunk into rows holding different lengths, with NaN in the padding,
+    tiles past the window (T > 256) and a scale of its own; sink logits take the reference."""
+    from qsinkkv.prefill import prefill_attention_reference, prefill_attention_torch
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=4)
+    cache = SinkQuantCache(cfg, 1, 3, HKV, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(bits + W)
+    cache.attend(0, *(torch.randn(3, h, 40, D, generator=g) for h in (HKV * G, HKV, HKV)), [40, 2, 0])
+    layer = cache.layers[0]
+    q, k, v = (torch.randn(3, h, 600, D, generator=g) for h in (HKV * G, HKV, HKV))
+    lengths = torch.tensor([600, 333, 7])
+    k[1, :, 333:], v[2, :, 7:] = float("nan"), float("inf")
+    for kw in (dict(scale=0.3), dict(sink_logits=torch.randn(HKV * G, generator=g))):
+        ref = prefill_attention_reference(q, k, v, layer, lengths, **kw)
+        ref64 = prefill_attention_reference(q.double(), k.double(), v.double(), layer, lengths,
+                                            **{n: x.double() if torch.is_tensor(x) else x for n, x in kw.items()})
+        got = prefill_attention_torch(q, k, v, layer, lengths, **kw)
+        assert torch.isfinite(got).all()
+        assert rel(got, ref) < 1e-5 and rel(got, ref64) < 1e-5, kw
+
+
+# From the review of issue 10, a defect now fixed: prefill_attention_reference masked the padding keys from the
+# scores, but the padding *values* still entered ``probs @ v``, so a NaN/Inf value in a row's padding (which the
+# cache accepts: it is never stored or seen) turned every real query of that row into NaN (0 * NaN = NaN).
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_value_in_padding_does_not_poison_the_rows_prefill(value):
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=4, block_size=2, value_group_size=4)
+    batch = SinkQuantCache(cfg, 1, 2, HKV, D, dtype=torch.float32)
+    alone = SinkQuantCache(cfg, 1, 1, HKV, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = draw(g, 2, 4)
+    v[1, :, 3] = value                                  # row 1 holds 2 tokens: slot 3 is padding
+    out = batch.attend(0, q, k, v, [4, 2])              # accepted (padding is not checked), but:
+    own = alone.attend(0, q[1:, :, :2], k[1:, :, :2], v[1:, :, :2])
+    assert torch.isfinite(out).all()
+    assert rel(out[1:, :, :2], own) < 1e-5

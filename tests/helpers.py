@@ -202,3 +202,14 @@ def run_stream(cfg, *, B=2, Hkv=2, G=3, D=16, schedule=None, rotary=None, sink_l
     got = torch.cat(outs, dim=2).double()
     rms = ((got - exact).norm() / exact.norm()).item()
     return worst, rms
+
+
+def outlier_qkv(seed: int, B: int = 1, H: int = 6, Hkv: int = 2, T: int = 97, D: int = 16):
+    """Fresh random ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]`` shaped like a model's: keys with channel
+    outliers and a loud first token (like a sink's key)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, Hkv, T, D, generator=g) * torch.linspace(0.5, 3, D)  # channel outliers
+    v = torch.randn(B, Hkv, T, D, generator=g)
+    k[:, :, 0] *= 6  # a loud first token, like a sink's key
+    return q, k, v

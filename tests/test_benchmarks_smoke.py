@@ -25,6 +25,10 @@ CASES = {  # script and tiny arguments -> the table header it must print
                           "--reps", "2"], "| shape | L | B | sdpa ms | sdpa-gqa ms |"),
     "generate": (["generate.py", "--context", "64", "--new", "2"],
                  "| context | cache | ms/token | x dyn | attn ms | attn x dyn | cache bytes |"),
+    "mixed_step": (["mixed_step.py", "--batch", "2", "--context", "64", "--reps", "1"],
+                   "| B | step tokens | attend ms | x B=first | attend_packed ms | x B=first |"),
+    "pool": (["pool.py", "--shapes", "smollm2", "--capacity", "256"],
+             "| model shape | cache | bytes / token | sequences at capacity | vs bf16 | bytes held / pool |"),
     # the GPU path (no attention split, a synchronize per step) with the Triton backend, interpreted
     "generate_interpret": (["generate.py", "--context", "16", "--new", "1", "--backend", "triton", "--bits", "4",
                             "--baselines", "--interpret"], "| context | cache | ms/token |"),
@@ -66,6 +70,11 @@ def test_benchmark_runs_tiny(case, tmp_path):
     if case == "generate_interpret":
         assert [r["cache"] for r in rows] == ["DynamicCache", "QSinkKVCache int4 (C=18, triton)"]
         assert not any("attn_ms_per_token" in r for r in rows)  # the GPU path: no split
+        return
+    if case == "pool":  # at equal bytes the quantized windows hold more sequences, none over the pool
+        assert [r["cache"] for r in rows] == ["bf16 window", "int8", "int4"]
+        assert rows[0]["sequences"] < rows[1]["sequences"] < rows[2]["sequences"], rows
+        assert all(r["held_bytes"] <= r["pool_bytes"] for r in rows), rows
         return
     assert rows and len(rows) == (3 if case == "e2e_decode" else 1)
 

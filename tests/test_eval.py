@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from helpers import outlier_qkv
 
 pytest.importorskip("transformers")
 from qsinkkv import CacheConfig, SinkQuantCache  # noqa: E402
@@ -99,12 +100,8 @@ def test_identity_store_is_exactly_the_reference(model_tok):
 @pytest.mark.parametrize("bits,S,W,bs,R", [(4, 4, 40, 8, 0), (8, 2, 29, 5, 7), (4, 0, 33, 4, 0), (16, 3, 20, 8, 0)])
 def test_replay_equals_the_real_cache_decode(bits, S, W, bs, R):
     """Token by token through SinkQuantCache.attend (eviction included) == one parallel replay."""
-    g = torch.Generator().manual_seed(bits * 100 + W)
     B, H, Hkv, T, D = 1, 6, 2, 97, 16
-    q = torch.randn(B, H, T, D, generator=g)
-    k = torch.randn(B, Hkv, T, D, generator=g) * torch.linspace(0.5, 3, D)  # channel outliers
-    v = torch.randn(B, Hkv, T, D, generator=g)
-    k[:, :, 0] *= 6  # a loud first token, like a sink's key
+    q, k, v = outlier_qkv(bits * 100 + W, B, H, Hkv, T, D)
     kw = dict(bits=bits, block_size=bs, value_group_size=8, residual_tokens=R)
     real = SinkQuantCache(CacheConfig(sink_tokens=S, recent_tokens=W, **kw), 1, B, Hkv, D, dtype=torch.float32,
                           backend="torch")

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import outlier_qkv
 
 pytest.importorskip("transformers")
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, quant  # noqa: E402
@@ -205,12 +206,8 @@ def test_tune_budget_below_one_byte_is_printed_as_asked():
 def test_cache_index_replay_equals_the_real_cache_decode(bits, S, W, bs, R):
     """Token by token through SinkQuantCache(positions="cache_index") == one parallel replay, pre-RoPE
     keys quantized and rotated by cache index; the absolute contract on the same keys is not."""
-    g = torch.Generator().manual_seed(bits * 100 + W)
     B, H, Hkv, T, D = 1, 6, 2, 97, 16
-    q = torch.randn(B, H, T, D, generator=g)
-    k = torch.randn(B, Hkv, T, D, generator=g) * torch.linspace(0.5, 3, D)  # channel outliers
-    v = torch.randn(B, Hkv, T, D, generator=g)
-    k[:, :, 0] *= 6  # a loud first token, like a sink's key
+    q, k, v = outlier_qkv(bits * 100 + W, B, H, Hkv, T, D)
     rotary = Rotary.from_schedule(D, base=100.0)
     kw = dict(bits=bits, block_size=bs, value_group_size=8, residual_tokens=R)
     real = SinkQuantCache(CacheConfig(sink_tokens=S, recent_tokens=W, positions="cache_index", **kw), 1, B, Hkv, D,

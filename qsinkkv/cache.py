@@ -33,7 +33,7 @@ class SinkQuantCache:
     """A multi-layer KV cache with bf16 sinks and a quantized recent window.
 
     ``SinkQuantCache(config, num_layers, batch_size, num_kv_heads, head_dim, device, dtype,
-    rotary=None, backend="auto")``
+    rotary=None, backend="auto", decode_variant="dequantize", *, blocks=None)``
 
     dtype is the dtype of the K/V (and queries) the model passes in. With
     ``config.positions == "cache_index"`` pass ``rotary`` (a fixed ``Rotary`` schedule) and
@@ -44,6 +44,9 @@ class SinkQuantCache:
     on the CPU where it applies and compiles, else torch); ``ops.select_ops`` says where each
     applies. decode_variant: how the Triton decode kernel reads quantized blocks ("dequantize", "folded",
     "fp16": ``ops.DECODE_VARIANTS``); the other backends take only the default.
+    blocks: who holds which block (``qsinkkv.blocks``): None for ``DenseBlocks(batch_size)``, each sequence
+    owning its blocks from the start; a ``PagedBlocks`` shares pools between sequences that join and leave
+    (``batch_size`` must then be the manager's, 0 for a new pool; ``qsinkkv.paged.PagedCache`` builds it).
     """
 
     def __init__(self, config: CacheConfig, num_layers: int, batch_size: int, num_kv_heads: int,

@@ -19,7 +19,7 @@ import copy
 import torch
 from common import SHAPES, add_window_options, recent_tokens, save_json, table_header, wall_ms
 
-from qsinkkv import CacheConfig, SinkQuantCache
+from qsinkkv import CacheConfig, SinkQuantCache, WindowLayout
 from qsinkkv.paged import PagedCache
 
 H, HKV, D = SHAPES["smollm2"]
@@ -57,9 +57,9 @@ def main(argv=None) -> int:
     rows, first = [], None
     for B in a.batch:
         dense = SinkQuantCache(cfg, 1, B, HKV, D, dtype=torch.float32, backend=a.backend)
-        per_seq = -(-cfg.recent_tokens // cfg.block_size)  # a row's quantized blocks at capacity
-        pool = PagedCache(cfg, 1, HKV, D, max_seqs=B, float_blocks=2 * B, quant_blocks=per_seq * B + 64,
-                          dtype=torch.float32, backend=a.backend)
+        rings = WindowLayout(cfg)  # every row's full rings fit (bits 16 too: its float ring is the window)
+        pool = PagedCache(cfg, 1, HKV, D, max_seqs=B, float_blocks=max(rings.float_slots, 2) * B,
+                          quant_blocks=rings.quant_slots * B + 64, dtype=torch.float32, backend=a.backend)
         for _ in range(B):
             pool.admit()
         history = [0] + [HISTORY] * (B - 1)

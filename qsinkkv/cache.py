@@ -292,9 +292,8 @@ class SinkQuantCache:
             if split.one:
                 out[qsl[split.one].to(out.device)] = one_out
             if split.multi:
-                t = torch.arange(multi_out.shape[2])
-                real = t < torch.tensor([lens[b] for b in split.multi]).unsqueeze(1)      # [n, T_multi]
-                tokens = (qsl[split.multi].unsqueeze(1) + t)[real]
+                real = split.multi_real()                                                 # [n, T_multi]
+                tokens = (qsl[split.multi].unsqueeze(1) + torch.arange(real.shape[1]))[real]
                 out[tokens.to(out.device)] = multi_out.transpose(1, 2)[real.to(out.device)]
             return out
         except BaseException as e:
@@ -310,7 +309,7 @@ class SinkQuantCache:
         multi_out = one_out = None
         if split.multi:
             multi_out = self.ops.prefill(split.q_multi, split.k_multi, split.v_multi, storage.select_rows(split.multi),
-                                         torch.tensor([lens[b] for b in split.multi]), scale=scale,
+                                         torch.tensor(split.multi_lens), scale=scale,
                                          sink_logits=sink_logits)
         chunks = [(b, split.k_multi[i:i + 1, :, :lens[b]], split.v_multi[i:i + 1, :, :lens[b]])
                   for i, b in enumerate(split.multi)]

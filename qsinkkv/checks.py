@@ -196,9 +196,9 @@ def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor
             groups.append((n0[split.one].unsqueeze(1), None,
                            *(None if x is None else x.unsqueeze(2) for x in (split.q_one, split.k_one, split.v_one))))
         if split.multi:
-            t = torch.arange(split.k_multi.shape[2])
-            real = t < torch.tensor([split.lens[b] for b in split.multi]).unsqueeze(1)
-            groups.append((n0[split.multi].unsqueeze(1) + t, real, split.q_multi, split.k_multi, split.v_multi))
+            real = split.multi_real()
+            groups.append((n0[split.multi].unsqueeze(1) + torch.arange(real.shape[1]), real, split.q_multi,
+                           split.k_multi, split.v_multi))
     for pos, real, qg, kg, vg in groups:
         ok["k"].append(storable(kg, pos, real, config))
         ok["v"].append(storable(vg, pos, real, config))

@@ -27,11 +27,19 @@ class Split:
     k_multi: Tensor | None
     v_multi: Tensor | None
 
+    @property
+    def multi_lens(self) -> list[int]:
+        """The new tokens of each row of ``multi``."""
+        return [self.lens[b] for b in self.multi]
+
+    def multi_real(self) -> Tensor:
+        """bool ``[len(multi), T_multi]`` (host): which columns of the ``*_multi`` tensors hold real tokens."""
+        return torch.arange(self.k_multi.shape[2]) < torch.tensor(self.multi_lens).unsqueeze(1)
+
 
 def split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> Split:
     """Group the rows of a padded chunk ``[B, heads, T, D]``: views where the rows are one run."""
-    one = [b for b, t in enumerate(lens) if t == 1]
-    multi = [b for b, t in enumerate(lens) if t > 1]
+    one, multi = _one_and_multi(lens)
     pick = lambda x, rows, t: None if x is None or not rows else take_rows(x[:, :, :t], rows)  # noqa: E731
     firsts = [None if x is None or not one else take_rows(x[:, :, 0], one) for x in (q, k, v)]
     T_multi = max((lens[b] for b in multi), default=0)
@@ -41,8 +49,7 @@ def split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> Spl
 def split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) -> Split:
     """Group the rows of a packed step (``[N, heads, D]``, row b at ``[qsl[b], qsl[b+1])``): the one-token rows
     are gathered, the longer ones padded to their longest only (one longer row: a view)."""
-    one = [b for b, t in enumerate(lens) if t == 1]
-    multi = [b for b, t in enumerate(lens) if t > 1]
+    one, multi = _one_and_multi(lens)
     firsts = [x[qsl[one].to(x.device)] if one else None for x in (q, k, v)]
     if not multi:
         return Split(lens, one, *firsts, multi, None, None, None)
@@ -54,6 +61,11 @@ def split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) 
         tokens = (qsl[multi].unsqueeze(1) + torch.arange(T_multi)).clamp(max=q.shape[0] - 1)  # pads repeat a token
         chunk = [x[tokens.to(x.device)].transpose(1, 2) for x in (q, k, v)]
     return Split(lens, one, *firsts, multi, *chunk)
+
+
+def _one_and_multi(lens: list[int]) -> tuple[list[int], list[int]]:
+    """The rows with one new token, and the rows with more."""
+    return [b for b, t in enumerate(lens) if t == 1], [b for b, t in enumerate(lens) if t > 1]
 
 
 def take_rows(x: Tensor, rows: list[int]) -> Tensor:

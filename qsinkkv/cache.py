@@ -23,7 +23,7 @@ from .config import CacheConfig
 from .layout import WindowLayout
 from .ops import select_ops
 from .rope import Rotary
-from .step import Split, split_packed, split_padded
+from .step import Split, attend_split, scatter_packed, split_packed, split_padded
 
 # float8 model dtypes have no isfinite (and no way to refuse a NaN): not accepted
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -287,37 +287,17 @@ class SinkQuantCache:
             split = split_packed(q, k, v, qsl, lens)
             checks.values(self.config, self.layers[layer].seq_lens, split, k, v, q, sink_logits, packed=True)
             self._reserve(layer, lens)
-            out = q.new_empty(q.shape)
             one_out, multi_out = self._attend_split(layer, split, scale, sink_logits)
-            if split.one:
-                out[qsl[split.one].to(out.device)] = one_out
-            if split.multi:
-                real = split.multi_real()                                                 # [n, T_multi]
-                tokens = (qsl[split.multi].unsqueeze(1) + torch.arange(real.shape[1]))[real]
-                out[tokens.to(out.device)] = multi_out.transpose(1, 2)[real.to(out.device)]
-            return out
+            return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
         except BaseException as e:
             self._roll_back_step(layer, before, e)
             raise
 
     def _attend_split(self, layer: int, split: Split, scale, sink_logits) -> tuple[Tensor | None, Tensor | None]:
-        """A mixed step, row group by row group: the longer rows prefill over what was stored before (and their
-        own chunk in full precision), the step is stored, then the one-token rows decode, as each would alone,
-        over what is stored. A step's cost follows the tokens it carries, not B x T_max.
-        Returns ``([len(one), H, D], [len(multi), H, T_multi, D])`` (None for an empty group)."""
-        storage, lens = self.layers[layer], split.lens
-        multi_out = one_out = None
-        if split.multi:
-            multi_out = self.ops.prefill(split.q_multi, split.k_multi, split.v_multi, storage.select_rows(split.multi),
-                                         torch.tensor(split.multi_lens), scale=scale,
-                                         sink_logits=sink_logits)
-        chunks = [(b, split.k_multi[i:i + 1, :, :lens[b]], split.v_multi[i:i + 1, :, :lens[b]])
-                  for i, b in enumerate(split.multi)]
-        self._undo[layer] = write.append_rows(storage, split.one, split.k_one, split.v_one, chunks,
-                                              self.ops.quantizer)
-        if split.one:
-            one_out = self.ops.decode(split.q_one, storage.select_rows(split.one), scale=scale,
-                                      sink_logits=sink_logits)
+        """``step.attend_split`` over ``layer``'s storage (read and stored into alike); keeps the undo record."""
+        storage = self.layers[layer]
+        one_out, multi_out, self._undo[layer] = attend_split(self.ops, split, storage, storage, scale=scale,
+                                                             sink_logits=sink_logits)
         return one_out, multi_out
 
     def _roll_back_step(self, layer: int, before: Tensor, error: BaseException) -> None:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import write
+from .storage import LayerStorage
+
 
 @dataclass
 class Split:
@@ -74,3 +77,39 @@ def take_rows(x: Tensor, rows: list[int]) -> Tensor:
     if rows == list(range(first, first + n)):
         return x.narrow(0, first, n)
     return x.index_select(0, torch.tensor(rows, device=x.device))
+
+
+def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, scale: float | None,
+                 sink_logits: Tensor | None) -> tuple[Tensor | None, Tensor | None, write.Undo]:
+    """A mixed step, row group by row group: the longer rows prefill over what was stored before (``read``: the
+    storage as it stands, and their own chunk in full precision), the step is stored (into ``store``), then the
+    one-token rows decode, as each would alone, over what is stored. ``read`` and ``store`` are one storage in a
+    qsinkkv cache; an engine's pool gives two records of the same pools whose quantized tables differ where a
+    block completes this step (its new page, while the prefill still reads the old one). A step's cost follows
+    the tokens it carries, not B x T_max.
+
+    Returns ``([len(one), H, D], [len(multi), H, T_multi, D], the write's undo record)`` (None for an empty
+    group)."""
+    lens = split.lens
+    multi_out = one_out = None
+    if split.multi:
+        multi_out = ops.prefill(split.q_multi, split.k_multi, split.v_multi, read.select_rows(split.multi),
+                                torch.tensor(split.multi_lens), scale=scale, sink_logits=sink_logits)
+    chunks = [(b, split.k_multi[i:i + 1, :, :lens[b]], split.v_multi[i:i + 1, :, :lens[b]])
+              for i, b in enumerate(split.multi)]
+    undo = write.append_rows(store, split.one, split.k_one, split.v_one, chunks, ops.quantizer)
+    if split.one:
+        one_out = ops.decode(split.q_one, store.select_rows(split.one), scale=scale, sink_logits=sink_logits)
+    return one_out, multi_out, undo
+
+
+def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
+    """Put the row groups' outputs back at their packed tokens: ``out [N, H, D]``, row b's tokens at
+    ``[qsl[b], qsl[b+1])`` (``qsl`` host). Returns ``out``."""
+    if split.one:
+        out[qsl[split.one].to(out.device)] = one_out
+    if split.multi:
+        real = split.multi_real()                                                     # [n, T_multi]
+        tokens = (qsl[split.multi].unsqueeze(1) + torch.arange(real.shape[1]))[real]
+        out[tokens.to(out.device)] = multi_out.transpose(1, 2)[real.to(out.device)]
+    return out

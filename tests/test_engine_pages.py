@@ -1,0 +1,190 @@
+"""qsinkkv over an engine's block pool (engine_pages.py), driven by a small engine in the test: pages
+taken and handed back as ``pages_needed`` / ``first_page`` say, freed and new pages full of random bytes
+(NaN and inf patterns included), rows in any order, sequences that start and finish. Every step's output
+must equal ``PagedCache`` fed the same K/V, bit for bit."""
+import random
+
+import pytest
+import torch
+
+from qsinkkv import CacheConfig
+from qsinkkv.engine_pages import (
+    FloatRings,
+    PageLayout,
+    attend_packed,
+    first_page,
+    max_pages,
+    pages_needed,
+    step_tables,
+    storages,
+)
+from qsinkkv.layout import WindowLayout
+from qsinkkv.ops import select_ops
+from qsinkkv.paged import PagedCache, block_bytes
+
+Hkv, G, D = 2, 3, 16
+
+
+class Engine:
+    """The engine side: a page pool with a free list, a block table per sequence (logical -> page)."""
+
+    def __init__(self, layout, num_pages, seed):
+        self.layout, self.g = layout, torch.Generator().manual_seed(seed)
+        self.free = list(range(1, num_pages))  # page 0: the null page, zeros, never handed out
+        random.Random(seed).shuffle(self.free)
+        self.tables, self.held = {}, {}
+
+    def garbage(self, pages, buf):
+        for p in pages:
+            buf[p] = torch.randint(0, 256, (buf.shape[1],), dtype=torch.uint8, generator=self.g)
+
+    def schedule(self, seq, n, t, buf):
+        """Before a step that brings t tokens to seq (holding n): hand back what no query sees, take what it needs."""
+        table = self.tables.setdefault(seq, [])
+        gone = [table[j] for j in range(1, min(first_page(self.layout, n), len(table))) if table[j] != 0]
+        for j in range(1, min(first_page(self.layout, n), len(table))):
+            table[j] = 0
+        self.free += gone
+        self.garbage(gone, buf)
+        while len(table) < pages_needed(self.layout, n + t):
+            table.append(self.free.pop(0))
+        assert sum(p != 0 for p in table) <= max_pages(self.layout, t)
+
+    def finish(self, seq, buf):
+        pages = [p for p in self.tables.pop(seq) if p]
+        self.free += pages
+        self.garbage(pages, buf)
+        return pages[:1]
+
+    def block_table(self, seqs, width):
+        out = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            out[i, :len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+        return out
+
+
+def _schedule(seed, steps=40):
+    """Per step: {seq: new tokens}; sequences start, stream (decode or chunks) and finish."""
+    rng = random.Random(seed)
+    live, plan, next_id = {}, [], 0
+    for _ in range(steps):
+        if len(live) < 4 and rng.random() < 0.5:
+            live[next_id] = 0
+            next_id += 1
+        step = {}
+        for s in list(live):
+            if rng.random() < 0.15:
+                continue  # not scheduled this step
+            t = rng.choice([1, 1, 1, 1, rng.randint(2, 40)]) if live[s] else rng.randint(1, 60)
+            step[s] = t
+            live[s] += t
+        finished = [s for s in live if live[s] > 30 and rng.random() < 0.1]
+        for s in finished:
+            del live[s]
+        plan.append((step, finished))
+    return plan
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("backend", ["torch", "c"])
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_engine_pages_equal_paged_cache(bits, backend, shuffled):
+    """Rows in PagedCache's order: bit for bit. In the engine's own order (shuffled): within float32 rounding
+    (the prefill's SDPA sums a batch's rows in another order)."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=bits, block_size=8, value_group_size=8,
+                      sink_dtype=torch.bfloat16, window_dtype=torch.bfloat16, scale_dtype=torch.float16)
+    layout = WindowLayout(cfg)
+    pl = PageLayout.of(cfg, Hkv, D)
+    num_pages = 64
+    raw = torch.zeros(num_pages, pl.page_bytes + 32, dtype=torch.uint8)   # rows further apart than a page
+    buf = raw[:, :pl.page_bytes]
+    engine = Engine(layout, num_pages, seed=bits)
+    engine.garbage(range(1, num_pages), buf)
+    pools = pl.views(buf)
+    rings = FloatRings(8)
+    float_k = torch.zeros(Hkv, 8 * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
+    float_v = torch.zeros_like(float_k)
+    ops = select_ops(backend, torch.device("cpu"), D, None)
+    ref = PagedCache(cfg, 1, Hkv, D, max_seqs=8, float_blocks=32, quant_blocks=64, dtype=torch.float32,
+                     backend=backend)
+    ids, held = {}, {}
+    g = torch.Generator().manual_seed(bits + 1)
+    for step, finished in _schedule(seed=bits):
+        for s in step:
+            if s not in ids:
+                ids[s], held[s] = ref.admit(), 0
+        seqs = list(step)
+        seqs.sort(key=lambda s: ids[s])                              # PagedCache's row order (admission)
+        if shuffled:
+            random.Random(len(seqs)).shuffle(seqs)                   # the engine's row order is its own
+        if not seqs:
+            continue
+        for s in seqs:
+            engine.schedule(s, held[s], step[s], buf)
+        lens = torch.tensor([step[s] for s in seqs], dtype=torch.int64)
+        qsl = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
+        N = int(qsl[-1])
+        q = torch.randn(N, Hkv * G, D, generator=g)
+        k, v = torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
+        before = torch.tensor([held[s] for s in seqs], dtype=torch.int64)
+        width = max(len(engine.tables[s]) for s in seqs) + 2
+        tables = step_tables(layout, engine.block_table(seqs, width), before, lens)
+        ring = rings.rings(tables[0], before)
+        read, store = storages(pools, float_k, float_v, layout, tables, ring, before)
+        out = attend_packed(ops, read, store, q, k, v, qsl)
+        # the same K/V through PagedCache: every admitted row, in its own order (0 tokens: it waits)
+        rows = ref.seq_ids
+        row_of = {ids[s]: i for i, s in enumerate(seqs)}
+        ref_lens = torch.tensor([step_by_id(step, ids, sid) for sid in rows], dtype=torch.int64)
+        ref_qsl = torch.cat((torch.zeros(1, dtype=torch.int64), ref_lens.cumsum(0)))
+        order = torch.cat([torch.arange(int(qsl[row_of[sid]]), int(qsl[row_of[sid] + 1]))
+                           for sid in rows if sid in row_of])
+        expect = ref.attend_packed(0, q[order].float(), k[order].float(), v[order].float(), ref_qsl)
+        if shuffled:
+            torch.testing.assert_close(out[order], expect, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(out[order], expect), f"step {step}: max diff {(out[order] - expect).abs().max()}"
+        assert store.seq_lens.tolist() == (before + lens).tolist()
+        for s in seqs:
+            held[s] += step[s]
+        for s in finished:
+            rings.release(engine.finish(s, buf))
+            ref.release(ids.pop(s))
+            del held[s]
+        assert rings.in_use() == len(ids)
+
+
+def step_by_id(step, ids, sid):
+    return next((t for s, t in step.items() if ids[s] == sid), 0)
+
+
+def test_page_bytes_match_paged_cache_blocks():
+    """A page holds one quantized block of every head (what PagedCache's quantized block holds), or a sink page."""
+    for bits in (8, 4):
+        cfg = CacheConfig(sink_tokens=4, recent_tokens=252, bits=bits, block_size=32, value_group_size=32)
+        pl = PageLayout.of(cfg, 3, 64)
+        sizes = block_bytes(cfg, 3, 64)
+        assert pl.page_bytes == max(sizes["quant"], sizes["sink"]) + (-max(sizes["quant"], sizes["sink"]) % 16)
+        assert pl.page_bytes < sizes["float"]   # why the filling block is not a page
+
+
+def test_refusals_name_the_input():
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=60, bits=16, block_size=16)
+    with pytest.raises(ValueError, match="bits"):
+        PageLayout.of(cfg, 2, 16)
+    with pytest.raises(ValueError, match="residual_tokens"):
+        PageLayout.of(CacheConfig(recent_tokens=60, residual_tokens=8, block_size=16, value_group_size=16), 2, 16)
+    pl = PageLayout.of(CacheConfig(recent_tokens=60, block_size=16, value_group_size=16), 2, 16)
+    with pytest.raises(ValueError, match="pages must be uint8"):
+        pl.views(torch.zeros(4, pl.page_bytes, dtype=torch.float32))
+    with pytest.raises(ValueError, match="aligned"):
+        pl.views(torch.zeros(4, pl.page_bytes + 3, dtype=torch.uint8)[:, :pl.page_bytes])
+    rings = FloatRings(1)
+    rings.rings(torch.tensor([5]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="float rings are in use"):
+        rings.rings(torch.tensor([5, 6]), torch.tensor([3, 0]))
+    with pytest.raises(RuntimeError, match="no float ring"):
+        rings.rings(torch.tensor([7]), torch.tensor([3]))
+    layout = WindowLayout(CacheConfig(sink_tokens=4, recent_tokens=60, block_size=16, value_group_size=16))
+    with pytest.raises(RuntimeError, match="null page"):   # a step that completes a block into a page never given
+        step_tables(layout, torch.tensor([[3, 0, 0]]), torch.tensor([19]), torch.tensor([1]))

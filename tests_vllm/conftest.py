@@ -31,4 +31,4 @@ def reference() -> dict:
         pytest.fail("QSINKKV_VLLM_REFERENCE must name the JSON made by tests_vllm/make_reference.py in the main venv "
                     "(make test-vllm does this)")
     with open(path) as f:
-        return json.load(f)
+        return json.load(f)["runs"]

@@ -7,7 +7,10 @@ selection caches), by the tests in this folder and by ``benchmarks/vllm_serve.py
 Keys: model (default: the embedded default model's safetensors folder), dtype ("float32"),
 prompts (token ids), max_tokens, max_model_len (1024), qsinkkv (CacheConfig fields, or null for stock
 vLLM), llm (extra ``vllm.LLM`` keyword arguments), warmup (a short generate first, not timed),
-step (drive the engine step by step, in process, and record the real blocks each request holds).
+step (drive the engine step by step, in process, and record the real blocks each request holds),
+capture (with step, bits 8/4: a file to which the first attention layer's every forward is saved -- its
+packed q/k/v, query_start_loc, the tokens each row held, its sink page, and the output -- for a replay
+into ``PagedCache``).
 Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), block_size,
 held_blocks (per request: the most it held, and what it held at its end), or error (the message
 of the exception that stopped the engine).
@@ -45,6 +48,9 @@ def run(spec: dict) -> dict:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    captured = []
+    if spec.get("capture"):
+        _capture_first_layer(captured)
 
     kwargs = dict(model=spec.get("model") or default_model(), dtype=spec.get("dtype", "float32"), enforce_eager=True,
                   enable_prefix_caching=False, max_model_len=spec.get("max_model_len", 1024), seed=0)
@@ -84,12 +90,43 @@ def run(spec: dict) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     out["seconds"] = time.perf_counter() - t0
+    if spec.get("capture"):
+        import torch
+        torch.save(captured, spec["capture"])
+        out["captured_steps"] = len(captured)
+    kv = llm.llm_engine.vllm_config.cache_config
+    out["num_blocks"] = kv.num_gpu_blocks
+    out["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    if spec.get("step"):
+        out["page_size_bytes"] = int(_manager(llm).kv_cache_spec.page_size_bytes)
     out["tokens_per_s"] = sum(map(len, out["tokens"])) / out["seconds"]
     try:  # stop the engine core (and its worker) before this process goes
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
     return out
+
+
+def _capture_first_layer(captured: list) -> None:
+    """Record every forward of the first attention layer (in this process: ``step`` runs the worker here)."""
+    from qsinkkv.integrations.vllm.quantized import QuantImpl
+    forward = QuantImpl.forward
+    first = []
+
+    def recording(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is not None:
+            if not first:
+                first.append(layer.layer_name)
+            if layer.layer_name == first[0]:
+                n = attn_metadata.num_actual_tokens
+                captured.append({"q": query[:n].clone(), "k": key[:n].clone(), "v": value[:n].clone(),
+                                 "qsl": attn_metadata.query_start_loc.clone(), "held": attn_metadata.held.clone(),
+                                 "sink_pages": attn_metadata.tables[0].clone(),
+                                 "out": output[:n].view(n, -1, query.shape[-1]).clone()})
+        return result
+
+    QuantImpl.forward = recording
 
 
 if __name__ == "__main__":

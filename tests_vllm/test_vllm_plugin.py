@@ -1,6 +1,13 @@
-"""qsinkkv inside vLLM: stock parity within the capacity, qsinkkv's own reference past it, refusals."""
+"""qsinkkv inside vLLM: stock parity within the capacity, qsinkkv's own reference past it (bits 16 and int4),
+one layer's int4/int8 forward bit for bit against PagedCache, page bytes, refusals."""
 import pytest
+import torch
 from conftest import run_engine
+
+from qsinkkv.engine_pages import PageLayout, max_pages
+from qsinkkv.integrations.vllm import parse_config
+from qsinkkv.layout import WindowLayout
+from qsinkkv.paged import PagedCache, block_bytes
 
 WIDE = {"sink_tokens": 4, "recent_tokens": 1020, "bits": 16, "block_size": 32,
         "sink_dtype": "float32", "window_dtype": "float32"}  # S + W = 1024 > every sequence here
@@ -19,7 +26,8 @@ def test_within_capacity_equals_stock_vllm(reference):
 def test_past_capacity_follows_qsinkkv_reference(reference):
     """bits=16 float32, S=4 W=60: every row streams past the capacity (64) and keeps qsinkkv's tokens
     (HF generate with QSinkKVCache, made in the main venv); the pool holds a constant block count."""
-    cfg, prompts, ref = reference["config"], reference["prompts"], reference["tokens"]
+    run = reference["bits16"]
+    cfg, prompts, ref = run["config"], run["prompts"], run["tokens"]
     C = cfg["sink_tokens"] + cfg["recent_tokens"]
     out = run_engine({"prompts": prompts, "max_tokens": len(ref[0]), "qsinkkv": cfg, "step": True})
     assert "error" not in out, out.get("error")
@@ -36,8 +44,65 @@ def test_past_capacity_follows_qsinkkv_reference(reference):
     assert max(out["held_blocks"]["most"]) <= bound, out["held_blocks"]
 
 
+def _replay_into_paged_cache(steps: list, cfg) -> int:
+    """Feed one layer's captured vLLM forwards (``engine.py`` capture) to ``PagedCache`` in the engine's row order;
+    every output must be the same bits. A request is its sink page; one that starts on a page takes a new
+    sequence. Returns the steps compared."""
+    Hkv, D = steps[0]["k"].shape[1:]
+    layout = WindowLayout(cfg)
+    cache = PagedCache(cfg, 1, Hkv, D, max_seqs=32, float_blocks=32 * layout.float_slots,
+                       quant_blocks=32 * layout.quant_slots, dtype=torch.float32, backend="torch")
+    seq_of_page = {}
+    for i, step in enumerate(steps):
+        held, pages, qsl = step["held"], step["sink_pages"].tolist(), step["qsl"]
+        for b, page in enumerate(pages):
+            if held[b] == 0:
+                if page in seq_of_page:
+                    cache.release(seq_of_page.pop(page))
+                seq_of_page[page] = cache.admit()
+        ids = [seq_of_page[p] for p in pages]
+        rest = [r for r, s in enumerate(cache.seq_ids) if s not in ids]
+        cache.select_batch([cache.seq_ids.index(s) for s in ids] + rest)   # the engine's rows first, in its order
+        assert cache.seq_lens()[:len(ids)].tolist() == held.tolist(), f"step {i}: lengths differ"
+        lens = torch.cat((qsl[1:] - qsl[:-1], torch.zeros(len(rest), dtype=torch.int64)))
+        out = cache.attend_packed(0, step["q"].view(step["out"].shape), step["k"], step["v"],
+                                  torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0))))
+        assert torch.equal(out, step["out"]), f"step {i}: max diff {(out - step['out']).abs().max()}"
+    return len(steps)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_layer_equals_paged_cache_and_follows_qsinkkv(reference, bits, tmp_path):
+    """int4/int8 pages (vLLM's own blocks holding qsinkkv's codes): the first layer's every forward equals
+    ``PagedCache`` fed the same K/V, bit for bit; a page is PagedCache's quantized block; each request holds a
+    constant number of blocks; int4's greedy tokens keep qsinkkv's (HF + QSinkKVCache int4) past the window."""
+    run = reference["int4"]
+    raw = {**run["config"], "bits": bits}
+    cfg = parse_config(raw)
+    prompts, ref = run["prompts"], run["tokens"]
+    out = run_engine({"prompts": prompts, "max_tokens": len(ref[0]), "qsinkkv": raw, "step": True,
+                      "capture": str(tmp_path / "layer0.pt")})
+    assert "error" not in out, out.get("error")
+    steps = torch.load(tmp_path / "layer0.pt")
+    assert _replay_into_paged_cache(steps, cfg) == out["captured_steps"] >= len(ref[0])
+    Hkv, D = steps[0]["k"].shape[1:]
+    sizes = block_bytes(cfg, Hkv, D)
+    assert out["page_size_bytes"] == PageLayout.of(cfg, Hkv, D).page_bytes == max(sizes["quant"], sizes["sink"])
+    layout = WindowLayout(cfg)
+    assert max(out["held_blocks"]["most"]) <= max_pages(layout, 1 + max(map(len, prompts)))
+    assert out["held_blocks"]["at_end"] == [1 + layout.quant_slots] * len(prompts)  # sink page + a window's blocks
+    if bits == 4:
+        C = cfg.capacity
+        firsts = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), None) for r, o in zip(ref, out["tokens"])]
+        for p, first in zip(prompts, firsts):
+            # a wrong window or broken blocks depart at the first quantized block or the capacity
+            assert first is None or first >= C - len(p) + 16, f"rows depart from qsinkkv's int4 reference at {firsts}"
+        assert sum(f is None for f in firsts) >= 6, f"rows depart from qsinkkv's int4 reference at {firsts}"
+
+
 @pytest.mark.parametrize("bad, field", [({"bits": 3}, "bits"), ({"sink_tokens": 4, "windw": 8}, "windw"),
-                                        ({"bits": 16, "block_size": 24}, "block_size"), ({"bits": 4}, "bits")])
+                                        ({"bits": 16, "block_size": 24}, "block_size"),
+                                        ({"bits": 4, "residual_tokens": 8}, "residual_tokens")])
 def test_bad_config_stops_the_engine_naming_the_field(bad, field):
     out = run_engine({"prompts": [[1, 2, 3]], "max_tokens": 2, "qsinkkv": bad}, timeout=240)
     assert "error" in out and field in out["error"], out

@@ -36,8 +36,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
+from ...engine_pages import PageLayout
 from ...layout import visible_mask
 from . import state
+from .quantized import QuantImpl, QuantMetadataBuilder, refused_impl_options
 from .spec import QSinkKVSpec
 
 
@@ -48,6 +50,8 @@ class QSinkKVBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        if isinstance(kv_cache_spec, QSinkKVSpec) and kv_cache_spec.bits != 16:
+            return [kv_cache_spec.block_size]  # a page is one whole block: never split into kernel blocks
         return [MultipleOf(16)]
 
     @staticmethod
@@ -63,22 +67,30 @@ class QSinkKVBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @staticmethod
-    def get_impl_cls() -> type[QSinkKVImpl]:
-        return QSinkKVImpl
+    def get_impl_cls() -> type[AttentionImpl]:
+        cfg = state.active()
+        return QuantImpl if cfg is not None and cfg.bits != 16 else QSinkKVImpl
 
     @staticmethod
-    def get_builder_cls() -> type[QSinkKVMetadataBuilder]:
-        return QSinkKVMetadataBuilder
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        cfg = state.active()
+        return QuantMetadataBuilder if cfg is not None and cfg.bits != 16 else QSinkKVMetadataBuilder
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """Full attention becomes qsinkkv's spec: same pages, a manager that frees what leaves the window."""
+        """Full attention becomes qsinkkv's spec, with a manager that frees what leaves the window: vLLM's own
+        pages (bits=16), or qsinkkv's (bits 8/4: one opaque uint8 page per block, ``engine_pages.PageLayout``)."""
         cfg = state.active()
         if cfg is None or isinstance(spec, QSinkKVSpec) or type(spec) is not FullAttentionSpec:
             return spec
         fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+        if cfg.bits != 16:
+            page = PageLayout.of(cfg, spec.num_kv_heads, spec.head_size)
+            # one state of page_bytes per block: vLLM's page size is then exactly qsinkkv's page
+            fields.update(dtype=torch.uint8, num_head_slots=1, tokens_per_state=spec.block_size,
+                          state_content_bytes=page.page_bytes, page_size_padded=None)
         return QSinkKVSpec(**fields, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
-                           in_flight_tokens=state.in_flight_tokens())
+                           in_flight_tokens=state.in_flight_tokens(), bits=cfg.bits)
 
 
 @dataclass
@@ -152,11 +164,8 @@ class QSinkKVImpl(AttentionImpl):
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: Tensor | None = None) -> None:
-        refused = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
-                   "logits_soft_cap": bool(logits_soft_cap), "attention sinks (learned)": sinks is not None,
-                   "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
-                   f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
-        bad = [name for name, on in refused.items() if on]
+        bad = refused_impl_options(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
+                                   kv_sharing_target_layer_name, sinks)
         if bad:
             raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a plain decoder with full "
                              "attention layers is what it serves)")

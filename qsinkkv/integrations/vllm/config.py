@@ -16,7 +16,7 @@ KEY = "qsinkkv"  # additional_config[KEY] holds CacheConfig fields
 _DTYPE_FIELDS = ("sink_dtype", "window_dtype", "scale_dtype")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # What this increment serves (the rest is refused at start, naming the field)
-SUPPORTED_BITS = (16,)
+SUPPORTED_BITS = (16, 8, 4)
 SUPPORTED_POSITIONS = ("absolute",)  # vLLM hands the backend keys already rotated at their true positions
 
 
@@ -56,14 +56,14 @@ def parse_config(raw: dict) -> CacheConfig:
         raise PluginConfigError(str(e)) from None
     if cfg.bits not in SUPPORTED_BITS:
         raise PluginConfigError(f"CacheConfig.bits={cfg.bits} is not served inside vLLM yet (this plugin serves bits "
-                                f"{list(SUPPORTED_BITS)}: the StreamingLLM sink + window over vLLM's own pages; "
-                                "int8/int4 pages are the next increment)")
+                                f"{list(SUPPORTED_BITS)})")
     if cfg.positions not in SUPPORTED_POSITIONS:
         raise PluginConfigError(f"CacheConfig.positions={cfg.positions!r} is not supported inside vLLM: the engine "
                                 "rotates keys at their true positions before attention, so only 'absolute' applies")
     if cfg.residual_tokens:
-        raise PluginConfigError("CacheConfig.residual_tokens applies to quantized windows (bits 8/4), which this "
-                                f"increment does not serve; got residual_tokens={cfg.residual_tokens}")
+        raise PluginConfigError("CacheConfig.residual_tokens is not served inside vLLM (its pages hold the window as "
+                                "quantized blocks and one filling block per request): use residual_tokens=0, got "
+                                f"residual_tokens={cfg.residual_tokens}")
     return cfg
 
 

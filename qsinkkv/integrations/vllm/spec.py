@@ -20,6 +20,10 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from ...config import CacheConfig
+from ...engine_pages import SINK_PAGES, first_page, max_pages, pages_needed
+from ...layout import WindowLayout
+
 
 @dataclass(frozen=True, kw_only=True)
 class QSinkKVSpec(FullAttentionSpec):
@@ -28,28 +32,45 @@ class QSinkKVSpec(FullAttentionSpec):
     sink_tokens: int = 4
     recent_tokens: int = 252
     in_flight_tokens: int = 0  # the most tokens one step may add to a request (max_num_batched_tokens)
+    bits: int = 16             # 16: vLLM's own pages, position-aligned; 8/4: qsinkkv's pages (engine_pages)
+
+    def layout(self) -> WindowLayout:
+        """The window's layout (its counts only: value_group_size plays no part in them)."""
+        return WindowLayout(CacheConfig(sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens,
+                                        bits=self.bits, block_size=self.block_size, value_group_size=1))
 
     def sink_blocks(self) -> int:
-        return cdiv(self.sink_tokens, self.block_size)
+        return SINK_PAGES if self.bits != 16 else cdiv(self.sink_tokens, self.block_size)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens is given (some may have been handed back since)."""
+        if self.bits == 16:
+            return cdiv(num_tokens, self.block_size)
+        return pages_needed(self.layout(), num_tokens)
 
     def max_blocks_per_request(self) -> int:
         """Blocks one request holds at most, however long it streams."""
+        if self.bits != 16:
+            return max_pages(self.layout(), self.in_flight_tokens)
         window = cdiv(self.recent_tokens - 1 + max(self.in_flight_tokens, 1), self.block_size) + 1
         return self.sink_blocks() + window
 
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        return max(super().max_num_blocks_per_req(vllm_config, max_len), self.blocks_needed(max_len))
+
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        full = cdiv(vllm_config.model_config.max_model_len, self.block_size)
+        full = self.blocks_needed(vllm_config.model_config.max_model_len)
         return min(full, self.max_blocks_per_request()) * self.page_size_bytes
 
     @classmethod
     def merge(cls, specs):
         base = FullAttentionSpec.merge(specs)
-        ours = {(s.sink_tokens, s.recent_tokens, s.in_flight_tokens) for s in specs}
+        ours = {(s.sink_tokens, s.recent_tokens, s.in_flight_tokens, s.bits) for s in specs}
         if len(ours) != 1:
             raise AssertionError(f"qsinkkv: every layer of a KV cache group must share one window, got {ours}")
-        S, W, T = ours.pop()
+        S, W, T, bits = ours.pop()
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-        return cls(**fields, sink_tokens=S, recent_tokens=W, in_flight_tokens=T)
+        return cls(**fields, sink_tokens=S, recent_tokens=W, in_flight_tokens=T, bits=bits)
 
 
 class QSinkKVManager(FullAttentionManager):
@@ -61,11 +82,29 @@ class QSinkKVManager(FullAttentionManager):
             # the scheduler reserves (and admits) by this cap: what a request can hold at its peak
             kwargs["max_admission_blocks_per_request"] = kv_cache_spec.max_blocks_per_request()
         super().__init__(kv_cache_spec, **kwargs)
+        self.spec = kv_cache_spec
         self.sink_tokens = kv_cache_spec.sink_tokens
         self.recent_tokens = kv_cache_spec.recent_tokens
+        self.window = kv_cache_spec.layout() if kv_cache_spec.bits != 16 else None
+
+    # vLLM counts a request's blocks as cdiv(num_tokens, block_size) (position-aligned pages); qsinkkv's pages
+    # (bits 8/4) are a sink page and the window's quantized blocks: the two methods that count get the token
+    # count whose cdiv is that
+    def _as_tokens(self, num_tokens: int) -> int:
+        return num_tokens if self.window is None else self.spec.blocks_needed(num_tokens) * self.block_size
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        return super().get_num_blocks_to_allocate(request_id, self._as_tokens(num_tokens), *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        return super().allocate_new_blocks(request_id, self._as_tokens(num_tokens),
+                                           self._as_tokens(num_tokens_main_model))
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
+        if self.window is not None:  # the window's pages that no later query sees
+            self._remove_blocks_in_range(request_id, SINK_PAGES, first_page(self.window, processed_computed_tokens))
+            return
         bs = self.block_size
         first = cdiv(self.sink_tokens, bs)                       # the first block holding no sink
         window_start = max(self.sink_tokens, processed_computed_tokens - self.recent_tokens + 1)

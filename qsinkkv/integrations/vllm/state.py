@@ -36,3 +36,49 @@ def active() -> CacheConfig | None:
 def in_flight_tokens() -> int:
     active()
     return next(iter(_ACTIVE.values()))[1] if _ACTIVE else 0
+
+
+def current_vllm_config():
+    from vllm.config import get_current_vllm_config_or_none
+    return get_current_vllm_config_or_none()
+
+
+_RINGS: list = []  # this process's FloatRings (one engine per process): which float ring each request uses
+
+
+def float_rings(capacity: int):
+    """The process's ``engine_pages.FloatRings`` (made at the first call, with ``capacity`` rings)."""
+    from ...engine_pages import FloatRings
+    if not _RINGS:
+        _RINGS.append(FloatRings(capacity))
+    return _RINGS[0]
+
+
+def release_rings(sink_pages: list[int]) -> None:
+    """Requests with these sink pages ended (finished, or preempted: they restart on new blocks)."""
+    if _RINGS and sink_pages:
+        _RINGS[0].release(sink_pages)
+
+
+def watch_request_ends() -> None:
+    """Wrap the worker's ``GPUModelRunner._update_states`` (the CPU runner's too) once, so that the float rings
+    of requests that finish or are preempted go back before the step's metadata is built. vLLM's builder sees
+    only the scheduled rows, never which requests ended; the scheduler output that this method receives says."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    if getattr(GPUModelRunner, "_qsinkkv_watched", False):
+        return
+    update = GPUModelRunner._update_states
+
+    def _update_states(self, scheduler_output):
+        ended = set(scheduler_output.finished_req_ids)
+        ended |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+        pages = []
+        for req_id in ended:
+            req = self.requests.get(req_id)
+            if req is not None and req.block_ids and req.block_ids[0]:
+                pages.append(int(req.block_ids[0][0]))
+        release_rings(pages)
+        return update(self, scheduler_output)
+
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._qsinkkv_watched = True

@@ -1,0 +1,134 @@
+"""bits 8/4 inside vLLM: vLLM's pages hold qsinkkv's storage and qsinkkv's ops run over vLLM's block table.
+
+A vLLM block of one layer is a page of opaque bytes (``qsinkkv.engine_pages.PageLayout``): a request's
+logical block 0 is its sink page (its first ``sink_tokens`` K/V in ``sink_dtype``), logical block 1 + b
+holds block b of its window as int8/int4 codes + scales; the spec's manager (``spec.py``) allocates exactly
+those and hands back the blocks that leave the window. The filling block (bf16, bigger than a page) lives
+in a float pool per layer beside vLLM's pages, one ring per request vLLM runs at once (``max_num_seqs``),
+allocated once when the layer is built; ``float_pool_bytes`` says how much, for every memory comparison.
+
+Per step the metadata builder (once, for all layers) turns vLLM's block table into the tables of
+``engine_pages.step_tables`` and each request's float ring; per layer the forward runs
+``engine_pages.attend_packed``: qsinkkv's checks, write (quantize-once as a block completes), prefill and
+decode -- the code ``PagedCache`` runs, so one layer's output equals ``PagedCache`` fed the same K/V.
+The ops are qsinkkv's torch backend: its C decode and Triton kernels read pools laid out head-major, and
+vLLM's pages are block-major (a strided view, which they would copy whole).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from ...engine_pages import PageLayout, attend_packed, step_tables, storages
+from ...layout import WindowLayout
+from ...ops import select_ops
+from . import state
+from .spec import QSinkKVSpec
+
+
+def float_pool_bytes(cfg, num_layers: int, num_kv_heads: int, head_dim: int, max_num_seqs: int) -> int:
+    """Bytes of the float pools the backend keeps beside vLLM's pages (every layer: K and V)."""
+    layout = WindowLayout(cfg)
+    per_ring = 2 * num_kv_heads * layout.float_rows * head_dim * torch.empty(0, dtype=cfg.window_dtype).element_size()
+    return num_layers * max_num_seqs * per_ring
+
+
+@dataclass
+class QuantMetadata:
+    num_actual_tokens: int
+    query_start_loc: Tensor      # [B + 1] host int64
+    held: Tensor                 # [B] host int64: tokens each request held before this step
+    tables: tuple                # engine_pages.step_tables: sink_table [B], quant_read, quant_store [B, nq]
+    rings: Tensor                # [B] host int64: each request's float ring
+
+
+class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if not isinstance(kv_cache_spec, QSinkKVSpec) or kv_cache_spec.bits == 16:
+            raise TypeError(f"qsinkkv's quantized backend needs its own KV cache spec, got {kv_cache_spec!r}")
+        self.layout = WindowLayout(state.active())
+        self.rings = state.float_rings(vllm_config.scheduler_config.max_num_seqs)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> QuantMetadata:
+        m = common_attn_metadata
+        B = m.num_reqs
+        qsl = m.query_start_loc_cpu[:B + 1].long()
+        lens = qsl[1:] - qsl[:-1]
+        held = m.seq_lens[:B].cpu().long() - lens
+        tables = step_tables(self.layout, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
+        return QuantMetadata(m.num_actual_tokens, qsl, held, tables, self.rings.rings(tables[0], held))
+
+
+class QuantImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks: Tensor | None = None) -> None:
+        bad = refused_impl_options(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
+                                   kv_sharing_target_layer_name, sinks)
+        if bad:
+            raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a plain decoder with full "
+                             "attention layers is what it serves)")
+        cfg = state.active()
+        vllm_config = state.current_vllm_config()
+        if cfg is None or vllm_config is None:
+            raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
+        self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, float(scale), num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.layout = WindowLayout(cfg)
+        self.pages = PageLayout.of(cfg, num_kv_heads, head_size)
+        device = vllm_config.device_config.device
+        rings = vllm_config.scheduler_config.max_num_seqs
+        shape = (num_kv_heads, rings * self.layout.float_slots, cfg.block_size, head_size)
+        # one float ring per request vLLM runs at once, allocated now (not at the first step) so that
+        # vLLM's memory profile sees it
+        self.float_k = torch.zeros(shape, dtype=cfg.window_dtype, device=device)
+        self.float_v = torch.zeros(shape, dtype=cfg.window_dtype, device=device)
+        self.ops = select_ops("torch", self.float_k.device, head_size, None)
+        self._views = None  # (kv_cache data_ptr, the pools over it)
+
+    def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
+                attn_metadata: QuantMetadata | None, output: Tensor, output_scale: Tensor | None = None,
+                output_block_scale: Tensor | None = None, output_block_scale_swizzled: bool = False) -> Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by qsinkkv's backend")
+        if attn_metadata is None:  # warm-up
+            return output
+        md = attn_metadata
+        n = md.num_actual_tokens
+        read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, self.layout, md.tables, md.rings,
+                               md.held)
+        H, D = self.num_heads, self.head_size
+        out = attend_packed(self.ops, read, store, query[:n].view(n, H, D), key[:n], value[:n], md.query_start_loc,
+                            scale=self.scale)
+        output.view(-1, H, D)[:n] = out.to(output.dtype)
+        return output
+
+    def _pools(self, kv_cache: Tensor) -> dict[str, Tensor]:
+        """The LayerStorage pools over this layer's pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8), made
+        once."""
+        if self._views is None or self._views[0] != kv_cache.data_ptr():
+            self._views = (kv_cache.data_ptr(), self.pages.views(kv_cache[:, 0, 0]))
+        return self._views[1]
+
+
+def refused_impl_options(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                         sinks) -> list[str]:
+    refused = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
+               "logits_soft_cap": bool(logits_soft_cap), "attention sinks (learned)": sinks is not None,
+               "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
+               f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
+    return [name for name, on in refused.items() if on]

@@ -1,13 +1,15 @@
-"""vLLM with the qsinkkv plugin vs stock CPU_ATTN on the default model, one engine per process:
-tokens/s at a batch (greedy, enforce_eager, float32), the KV tokens vLLM's pool holds for the same
-VLLM_CPU_KVCACHE_SPACE, and the real blocks a request holds while it streams 4x past the capacity.
+"""vLLM with the qsinkkv plugin (bits 16, 8, 4) vs stock CPU_ATTN on the default model, one engine per
+process: tokens/s at a batch (greedy, enforce_eager), the KV tokens vLLM's pool holds for the same
+VLLM_CPU_KVCACHE_SPACE, the same at equal memory (bits 8/4 keep each request's filling block in float
+pools beside vLLM's pages, ``max_num_seqs`` rings: their bytes come off the budget), and the real blocks a
+request holds while it streams 4x past the capacity.
 
 Run it with the vLLM venv's python (``make vllm-demo``); the model folder comes from the main
 venv (``qsinkkv.models.default_model_dir()``, which ``make vllm-demo`` calls first). vLLM itself is imported
 only by ``tests_vllm/engine.py``, in the engines this starts: ``--help`` works without it.
 
     python benchmarks/vllm_serve.py [--batch 8] [--tokens 128] [--sink-tokens 4] [--recent-tokens 252 | --capacity 256]
-                                    [--block 32] [--json out.json]
+                                    [--block 32] [--dtype bfloat16] [--max-num-seqs 64] [--json out.json]
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ import sys
 from pathlib import Path
 
 from common import add_window_options, recent_tokens, save_json, table_header
+
+from qsinkkv.engine_pages import float_ring_bytes, max_pages
+from qsinkkv.integrations.vllm.config import parse_config
+from qsinkkv.layout import WindowLayout
 
 ENGINE = Path(__file__).resolve().parent.parent / "tests_vllm" / "engine.py"
 
@@ -40,38 +46,61 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt (default 128)")
     add_window_options(ap, 256, old_sinks=("--sink", "--sinks"), old_recent=("--recent",))
     ap.add_argument("--block", type=int, default=32, help="qsinkkv's block size (default 32)")
+    ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, stock vLLM's pages too (default bfloat16)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's max_num_seqs: float rings (default 64)")
     ap.add_argument("--json", help="write the configuration and results here")
     args = ap.parse_args(argv)
     S, W = args.sink_tokens, recent_tokens(args)
     args.recent_tokens, args.capacity = W, S + W  # the window that ran, in the JSON's config
-    cfg = {"sink_tokens": S, "recent_tokens": W, "bits": 16, "block_size": args.block}
+    base_cfg = {"sink_tokens": S, "recent_tokens": W, "block_size": args.block, "value_group_size": args.block}
+    model_dir, (L, Hkv, D) = model_shape()
+    pool = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30)
     prompts = [[(7 * i + 13 * j) % 5000 + 100 for j in range(24 + 4 * i)] for i in range(args.batch)]
+    llm = {"max_num_seqs": args.max_num_seqs}
     result = {"config": vars(args), "rows": []}
-    for name, qcfg in (("stock CPU_ATTN", None), ("qsinkkv bits=16", cfg)):
-        r = run({"prompts": prompts, "max_tokens": args.tokens, "qsinkkv": qcfg, "warmup": True})
+    engines = [("stock CPU_ATTN", None)] + [(f"qsinkkv bits={b}", {**base_cfg, "bits": b}) for b in (16, 8, 4)]
+    for name, qcfg in engines:
+        r = run({"prompts": prompts, "max_tokens": args.tokens, "qsinkkv": qcfg, "warmup": True,
+                 "dtype": args.dtype, "llm": llm})
         if "error" in r:
             raise RuntimeError(f"{name}: {r['error']}")
+        outside = 0 if qcfg is None or qcfg["bits"] == 16 else \
+            L * args.max_num_seqs * float_ring_bytes(parse_config(qcfg), Hkv, D)
+        r["float_pool_bytes"] = outside
+        r["kv_tokens_equal_memory"] = int(r["kv_tokens"] * pool / (pool + outside))
         result["rows"].append(dict(engine=name, **r))
         save_json(args.json, result)
     C = S + W
-    stream = run({"prompts": prompts[:2], "max_tokens": 4 * C, "qsinkkv": cfg, "step": True,
-                  "max_model_len": 4 * C + 64})
+    stream = run({"prompts": prompts[:2], "max_tokens": 4 * C, "qsinkkv": {**base_cfg, "bits": 4}, "step": True,
+                  "max_model_len": 4 * C + 64, "dtype": args.dtype, "llm": llm})
     rows = result["rows"]
-    base = rows[0]["tokens_per_s"]
-    print(f"vLLM {args.batch} prompts x {args.tokens} greedy tokens, float32, enforce_eager, "
-          f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '1')} GiB; qsinkkv S={S} "
-          f"W={W} block {args.block}")
-    table_header(["engine", "tokens/s", "x stock", "KV tokens", "block"], left=1)
+    base, base_kv = rows[0]["tokens_per_s"], rows[0]["kv_tokens"]
+    print(f"vLLM {args.batch} prompts x {args.tokens} greedy tokens, {args.dtype}, enforce_eager, max_num_seqs "
+          f"{args.max_num_seqs}, VLLM_CPU_KVCACHE_SPACE={pool / 2**30:g} GiB; qsinkkv S={S} W={W} block "
+          f"{args.block} (value groups of {args.block}); {model_dir.name}: {L} layers, {Hkv} KV heads, head_dim {D}")
+    table_header(["engine", "tokens/s", "x stock", "KV tokens (vLLM pool)", "float pools MiB",
+                  "KV tokens at equal memory", "x stock"], left=1)
     for r in rows:
         print(f"| {r['engine']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | {r['kv_tokens']} | "
-              f"{r['block_size']} |")
-    bound = -(-S // args.block) + -(-W // args.block) + 1
+              f"{r['float_pool_bytes'] / 2**20:.1f} | {r['kv_tokens_equal_memory']} | "
+              f"{r['kv_tokens_equal_memory'] / base_kv:.2f} |")
+    layout = WindowLayout(parse_config({**base_cfg, "bits": 4}))
+    bound = max_pages(layout, 1 + max(map(len, prompts[:2])))
     full = -(-(4 * C + 24) // args.block)
-    print(f"streaming {4 * C} tokens (4x the capacity {C}): real blocks held per request, most "
+    print(f"int4, streaming {4 * C} tokens (4x the capacity {C}): real blocks held per request, most "
           f"{stream['held_blocks']['most']} (bound {bound}), at the end {stream['held_blocks']['at_end']}; "
           f"a full-attention request would hold {full}")
     result["stream"] = dict(tokens=4 * C, held_blocks=stream["held_blocks"], bound=bound, full_attention_blocks=full)
     save_json(args.json, result)
+
+
+def model_shape():
+    """The default model's folder (converted by the main venv) and its (layers, KV heads, head_dim)."""
+    sys.path.insert(0, str(ENGINE.parent))
+    from engine import default_model
+    path = Path(default_model())
+    c = json.loads((path / "config.json").read_text())
+    return path, (c["num_hidden_layers"], c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"])
 
 if __name__ == "__main__":
     main()

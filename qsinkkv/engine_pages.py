@@ -116,6 +116,13 @@ def max_pages(layout: WindowLayout, in_flight: int) -> int:
     return SINK_PAGES + cdiv(layout.recent_tokens - 1 + max(in_flight, 1), layout.block_size) + 1
 
 
+def float_ring_bytes(config: CacheConfig, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one sequence's float ring in one layer (K and V): what an engine adapter keeps beside the pages,
+    per sequence it runs at once."""
+    layout = WindowLayout(config)
+    return 2 * num_kv_heads * layout.float_rows * head_dim * _size(config.window_dtype)
+
+
 class FloatRings:
     """Which float ring (filling block) each running sequence uses, keyed by its sink page (the engine's block,
     held for the sequence's life and unique among running ones). ``capacity`` rings, one per sequence the

@@ -5,7 +5,8 @@ logical block 0 is its sink page (its first ``sink_tokens`` K/V in ``sink_dtype`
 holds block b of its window as int8/int4 codes + scales; the spec's manager (``spec.py``) allocates exactly
 those and hands back the blocks that leave the window. The filling block (bf16, bigger than a page) lives
 in a float pool per layer beside vLLM's pages, one ring per request vLLM runs at once (``max_num_seqs``),
-allocated once when the layer is built; ``float_pool_bytes`` says how much, for every memory comparison.
+allocated once when the layer is built; ``engine_pages.float_ring_bytes`` says how much, for every memory
+comparison.
 
 Per step the metadata builder (once, for all layers) turns vLLM's block table into the tables of
 ``engine_pages.step_tables`` and each request's float ring; per layer the forward runs
@@ -34,13 +35,6 @@ from ...layout import WindowLayout
 from ...ops import select_ops
 from . import state
 from .spec import QSinkKVSpec
-
-
-def float_pool_bytes(cfg, num_layers: int, num_kv_heads: int, head_dim: int, max_num_seqs: int) -> int:
-    """Bytes of the float pools the backend keeps beside vLLM's pages (every layer: K and V)."""
-    layout = WindowLayout(cfg)
-    per_ring = 2 * num_kv_heads * layout.float_rows * head_dim * torch.empty(0, dtype=cfg.window_dtype).element_size()
-    return num_layers * max_num_seqs * per_ring
 
 
 @dataclass

@@ -111,8 +111,7 @@ static inline void axpy(float *restrict y, float p, const float *restrict x, int
 typedef struct {
     /* sizes */
     int64_t Hkv, B, G, D, S, bs, quant_slots, float_slots, bits, groups;
-    int64_t sink_pages, float_blocks, quant_blocks;  /* pool sizes (blocks per head) */
-    /* pools (contiguous, head-major) */
+    /* pools [Hkv, blocks, ...], addressed through the strides `st` at the end */
     const void *sink_k, *sink_v, *float_k, *float_v, *key_scale, *key_zero, *value_scale, *value_zero;
     const uint8_t *key_codes, *value_codes;
     int64_t sink_dtype, window_dtype, scale_dtype;
@@ -123,7 +122,15 @@ typedef struct {
     const float *sink_logits;  /* [Hkv * G] float32, or NULL */
     float scale;
     float *out;                /* [B, Hkv * G, D] float32 */
+    /* (head, block) strides in elements of each pool, in the order of the pointers above: sink_k, sink_v,
+     * float_k, float_v, key_scale, key_zero, value_scale, value_zero, key_codes, value_codes. Within a block a
+     * pool is contiguous; the blocks need not be (an engine's pages hold every tensor of a block together) */
+    int64_t st[10][2];
 } Args;
+
+enum { SINK_K, SINK_V, FLOAT_K, FLOAT_V, KEY_SCALE, KEY_ZERO, VALUE_SCALE, VALUE_ZERO, KEY_CODES, VALUE_CODES };
+/* element offset of block `blk` of head `h` in pool `p` */
+#define AT(p, h, blk) ((h) * a->st[p][0] + (blk) * a->st[p][1])
 
 /* units [u0, u1) of h * B + b; `scores` holds 8 rows of N floats, each row 64-byte aligned (so that the
  * vectorized softmax splits every row the same way, whatever the call) */
@@ -150,7 +157,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
             const int64_t page = S ? a->sink_table[b] : 0;
             for (int64_t s = 0; s < S; s++) {
                 if (bias[s] != 0.0f) continue;
-                load(a->sink_k, a->sink_dtype, ((h * a->sink_pages + page) * S + s) * D, D, row);
+                load(a->sink_k, a->sink_dtype, AT(SINK_K, h, page) + s * D, D, row);
                 for (int64_t g = 0; g < ng; g++) sc[g * Ns + s] = dot(qg[g], row, Vn);
             }
             /* keys: quantized ring, the scales folded into the query once per block */
@@ -159,16 +166,15 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
                 int seen = 0;
                 for (int64_t t = 0; t < bs && !seen; t++) seen = bias[n0 + t] == 0.0f;
                 if (blk < 0 || !seen) continue;
-                const int64_t sb = h * a->quant_blocks + blk;
-                load(a->key_scale, a->scale_dtype, sb * D, D, ks);
-                load(a->key_zero, a->scale_dtype, sb * D, D, kz);
+                load(a->key_scale, a->scale_dtype, AT(KEY_SCALE, h, blk), D, ks);
+                load(a->key_zero, a->scale_dtype, AT(KEY_ZERO, h, blk), D, kz);
                 for (int64_t g = 0; g < ng; g++) {
                     for (int64_t d = 0; d < D; d++) qs[g][d] = qg[g][d] * ks[d];
                     float z = 0.0f;  /* (kz is not padded: a plain loop) */
                     for (int64_t d = 0; d < D; d++) z += qg[g][d] * kz[d];
                     qz[g] = z;
                 }
-                const uint8_t *codes = a->key_codes + sb * bs * Dc;
+                const uint8_t *codes = a->key_codes + AT(KEY_CODES, h, blk);
                 for (int64_t t = 0; t < bs; t++) {
                     if (bias[n0 + t] != 0.0f) continue;
                     unpack(codes + t * Dc, a->bits, D, row);
@@ -179,7 +185,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
             for (int64_t r = 0; r < F; r++) {
                 const int64_t n = S + nq * bs + r, blk = a->float_table[b * a->float_slots + r / bs];
                 if (blk < 0 || bias[n] != 0.0f) continue;
-                load(a->float_k, a->window_dtype, ((h * a->float_blocks + blk) * bs + r % bs) * D, D, row);
+                load(a->float_k, a->window_dtype, AT(FLOAT_K, h, blk) + r % bs * D, D, row);
                 for (int64_t g = 0; g < ng; g++) sc[g * Ns + n] = dot(qg[g], row, Vn);
             }
             /* softmax (unnormalized; a learned sink logit adds a term with no value) */
@@ -205,19 +211,18 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
             /* values */
             for (int64_t s = 0; s < S; s++) {
                 if (bias[s] != 0.0f) continue;
-                load(a->sink_v, a->sink_dtype, ((h * a->sink_pages + page) * S + s) * D, D, row);
+                load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + s * D, D, row);
                 for (int64_t g = 0; g < ng; g++) axpy(acc[g], sc[g * Ns + s], row, Vn);
             }
             for (int64_t j = 0; j < nq; j++) {
                 const int64_t blk = a->quant_table[b * nq + j], n0 = S + j * bs;
                 if (blk < 0) continue;
-                const int64_t sb = h * a->quant_blocks + blk;
-                const uint8_t *codes = a->value_codes + sb * bs * Dc;
+                const uint8_t *codes = a->value_codes + AT(VALUE_CODES, h, blk);
                 for (int64_t t = 0; t < bs; t++) {
                     if (bias[n0 + t] != 0.0f) continue;
                     unpack(codes + t * Dc, a->bits, D, row);
-                    load(a->value_scale, a->scale_dtype, (sb * bs + t) * groups, groups, vs);
-                    load(a->value_zero, a->scale_dtype, (sb * bs + t) * groups, groups, vz);
+                    load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk) + t * groups, groups, vs);
+                    load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk) + t * groups, groups, vz);
                     for (int64_t k = 0; k < groups; k++)  /* the token's values, dequantized */
                         for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) row[d] = row[d] * vs[k] + vz[k];
                     for (int64_t g = 0; g < ng; g++) axpy(acc[g], sc[g * Ns + n0 + t], row, Vn);
@@ -226,7 +231,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
             for (int64_t r = 0; r < F; r++) {
                 const int64_t n = S + nq * bs + r, blk = a->float_table[b * a->float_slots + r / bs];
                 if (blk < 0 || bias[n] != 0.0f) continue;
-                load(a->float_v, a->window_dtype, ((h * a->float_blocks + blk) * bs + r % bs) * D, D, row);
+                load(a->float_v, a->window_dtype, AT(FLOAT_V, h, blk) + r % bs * D, D, row);
                 for (int64_t g = 0; g < ng; g++) axpy(acc[g], sc[g * Ns + n], row, Vn);
             }
             for (int64_t g = 0; g < ng; g++) {

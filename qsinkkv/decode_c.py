@@ -39,13 +39,17 @@ MAX_HEAD_DIM = 512  # decode_c.c's fixed arrays (MAX_D)
 
 class _Args(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("Hkv", "B", "G", "D", "S", "bs", "quant_slots", "float_slots", "bits",
-                                               "groups", "sink_pages", "float_blocks", "quant_blocks")]
+                                               "groups")]
                 + [(n, ctypes.c_void_p) for n in ("sink_k", "sink_v", "float_k", "float_v", "key_scale", "key_zero",
                                                   "value_scale", "value_zero", "key_codes", "value_codes")]
                 + [(n, ctypes.c_int64) for n in ("sink_dtype", "window_dtype", "scale_dtype")]
                 + [(n, ctypes.c_void_p) for n in ("sink_table", "float_table", "quant_table", "q", "bias",
                                                   "sink_logits")]
-                + [("scale", ctypes.c_float), ("out", ctypes.c_void_p)])
+                + [("scale", ctypes.c_float), ("out", ctypes.c_void_p), ("st", ctypes.c_int64 * 2 * 10)])
+
+# the pools in the order of the C struct's pointers (and of its strides `st`)
+_POOLS = ("sink_k", "sink_v", "float_k", "float_v", "key_scale", "key_zero", "value_scale", "value_zero",
+          "key_codes", "value_codes")
 
 
 _lock = threading.Lock()
@@ -179,13 +183,11 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     out = torch.empty(B, H, D, dtype=torch.float32)
     keep = [q32, bias, logits]  # alive until the call returns
     ptr = lambda t: None if t is None else _contiguous(t, keep).data_ptr()  # noqa: E731
+    pools = {name: _blocks_contiguous(getattr(s, name), keep) for name in _POOLS}
+    strides = (ctypes.c_int64 * 2 * 10)(*[(ctypes.c_int64 * 2)(t.stride(0), t.stride(1)) for t in pools.values()])
     a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=cfg.sink_tokens, bs=cfg.block_size,
               quant_slots=s.layout.quant_slots, float_slots=s.layout.float_slots, bits=cfg.bits,
-              groups=s.value_scale.shape[-1], sink_pages=s.sink_k.shape[1], float_blocks=s.float_k.shape[1],
-              quant_blocks=s.key_codes.shape[1],
-              sink_k=ptr(s.sink_k), sink_v=ptr(s.sink_v), float_k=ptr(s.float_k), float_v=ptr(s.float_v),
-              key_scale=ptr(s.key_scale), key_zero=ptr(s.key_zero), value_scale=ptr(s.value_scale),
-              value_zero=ptr(s.value_zero), key_codes=ptr(s.key_codes), value_codes=ptr(s.value_codes),
+              groups=s.value_scale.shape[-1], **{name: t.data_ptr() for name, t in pools.items()}, st=strides,
               sink_dtype=_DTYPES[cfg.sink_dtype], window_dtype=_DTYPES[cfg.window_dtype],
               scale_dtype=_DTYPES[cfg.scale_dtype],
               sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table),
@@ -206,6 +208,21 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     if any(codes):
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
     return out.to(q.dtype)
+
+
+def _blocks_contiguous(pool: Tensor, keep: list) -> Tensor:
+    """``pool [Hkv, blocks, ...]`` as it lies when each block is contiguous (the C code steps heads and blocks by
+    the pool's own strides: an engine's pages, a view, are read in place), else a contiguous copy."""
+    shape, stride, step = pool.shape, pool.stride(), 1
+    contiguous = True
+    for size, st in zip(reversed(shape[2:]), reversed(stride[2:])):  # a block's own dims, innermost first
+        contiguous &= size == 1 or st == step
+        step *= size
+    if contiguous:
+        return pool
+    copy = pool.contiguous()
+    keep.append(copy)
+    return copy
 
 
 def _contiguous(t: Tensor, keep: list) -> Tensor:

@@ -176,6 +176,20 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
     The lists below name each sequence twice: its row in the storage and its place ``i`` in ``k, v``."""
     layout, cfg = s.layout, s.layout.config
     S, bs, F, nq = cfg.sink_tokens, cfg.block_size, layout.float_rows, max(layout.quant_slots, 1)
+    dev = s.device
+    index = torch.tensor(rows, dtype=torch.long)
+    r = s.seq_lens[index] - S                                   # each new token's recent index
+    if F and bool((r >= 0).all()):
+        q0, q1 = layout.quantized_blocks(r), layout.quantized_blocks(r + 1)
+        if bool(((q0 == q1) & (r >= q1 * bs) & ~layout.overwrites_live_float(r, q0)).all()):
+            # the common decode step, at any lengths: every token goes to its float-ring row, none completes a
+            # block or overwrites a row the shorter stream reads: one indexed write per tensor, nothing saved
+            row = (r % F).to(dev)
+            where = (slice(None), s.float_table[index.to(dev), row // bs], row % bs)
+            s.float_k[where] = k.transpose(0, 1).to(cfg.window_dtype)
+            s.float_v[where] = v.transpose(0, 1).to(cfg.window_dtype)
+            s.seq_lens[index] += 1
+            return []
     sink_rows, sink_at, sink_pos, float_rows, float_at, float_row = [], [], [], [], [], []
     full_rows, full_at, full_block = [], [], []  # sequences whose new token completes a block that stays visible
     live_rows = []                               # sequences whose new float row holds a token the shorter stream reads
@@ -198,7 +212,6 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
             full_rows.append(b)
             full_at.append(i)
             full_block.append(q1 - 1)
-    dev = s.device
     idx = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
     quantized = None
     if full_rows:  # read and quantize before writing anything: the new token may share a ring row

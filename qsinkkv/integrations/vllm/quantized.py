@@ -12,8 +12,9 @@ Per step the metadata builder (once, for all layers) turns vLLM's block table in
 ``engine_pages.step_tables`` and each request's float ring; per layer the forward runs
 ``engine_pages.attend_packed``: qsinkkv's checks, write (quantize-once as a block completes), prefill and
 decode -- the code ``PagedCache`` runs, so one layer's output equals ``PagedCache`` fed the same K/V.
-The ops are qsinkkv's torch backend: its C decode and Triton kernels read pools laid out head-major, and
-vLLM's pages are block-major (a strided view, which they would copy whole).
+The ops: on the CPU ``select_ops("auto")``, the C decode where it compiles (it steps through the pools by
+their strides, so it reads vLLM's block-major pages in place), else torch; on CUDA torch (qsinkkv's Triton
+kernels index contiguous head-major pools, not pages: not wired, and untested with vLLM on a GPU).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from .spec import QSinkKVSpec
 
 @dataclass
 class QuantMetadata:
+    layout: WindowLayout         # one for every layer: its visible-bias memo serves them all
     num_actual_tokens: int
     query_start_loc: Tensor      # [B + 1] host int64
     held: Tensor                 # [B] host int64: tokens each request held before this step
@@ -63,7 +65,7 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         lens = qsl[1:] - qsl[:-1]
         held = m.seq_lens[:B].cpu().long() - lens
         tables = step_tables(self.layout, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
-        return QuantMetadata(m.num_actual_tokens, qsl, held, tables, self.rings.rings(tables[0], held))
+        return QuantMetadata(self.layout, m.num_actual_tokens, qsl, held, tables, self.rings.rings(tables[0], held))
 
 
 class QuantImpl(AttentionImpl):
@@ -91,7 +93,8 @@ class QuantImpl(AttentionImpl):
         # vLLM's memory profile sees it
         self.float_k = torch.zeros(shape, dtype=cfg.window_dtype, device=device)
         self.float_v = torch.zeros(shape, dtype=cfg.window_dtype, device=device)
-        self.ops = select_ops("torch", self.float_k.device, head_size, None)
+        backend = "auto" if self.float_k.device.type == "cpu" else "torch"
+        self.ops = select_ops(backend, self.float_k.device, head_size, None)
         self._views = None  # (kv_cache data_ptr, the pools over it)
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
@@ -103,7 +106,7 @@ class QuantImpl(AttentionImpl):
             return output
         md = attn_metadata
         n = md.num_actual_tokens
-        read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, self.layout, md.tables, md.rings,
+        read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, md.layout, md.tables, md.rings,
                                md.held)
         H, D = self.num_heads, self.head_size
         out = attend_packed(self.ops, read, store, query[:n].view(n, H, D), key[:n], value[:n], md.query_start_loc,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import add_window_options, recent_tokens, save_json, table_header
 
-from qsinkkv.engine_pages import float_ring_bytes, max_pages
+from qsinkkv.engine_pages import PageLayout, float_ring_bytes, max_pages, pages_needed
 from qsinkkv.integrations.vllm.config import parse_config
 from qsinkkv.layout import WindowLayout
 
@@ -84,6 +84,19 @@ def main(argv=None) -> None:
         print(f"| {r['engine']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | {r['kv_tokens']} | "
               f"{r['float_pool_bytes'] / 2**20:.1f} | {r['kv_tokens_equal_memory']} | "
               f"{r['kv_tokens_equal_memory'] / base_kv:.2f} |")
+    # what one request of C tokens holds, every layer: stock pages, or qsinkkv's pages and its float ring
+    elem = 4 if args.dtype == "float32" else 2
+    per_request = {"stock CPU_ATTN": L * -(-C // args.block) * args.block * Hkv * D * 2 * elem,
+                   "qsinkkv bits=16": L * -(-C // args.block) * args.block * Hkv * D * 2 * elem}
+    for b in (8, 4):
+        qc = parse_config({**base_cfg, "bits": b})
+        per_request[f"qsinkkv bits={b}"] = L * (pages_needed(WindowLayout(qc), C) * PageLayout.of(qc, Hkv, D).page_bytes
+                                                + float_ring_bytes(qc, Hkv, D))
+    print(f"a request at the capacity ({C} tokens), all layers (arithmetic, from the page and ring sizes):")
+    table_header(["engine", "bytes / request", "requests in 1 GiB", "x stock"], left=1)
+    for name, nbytes in per_request.items():
+        print(f"| {name} | {nbytes} | {2**30 // nbytes} | {per_request['stock CPU_ATTN'] / nbytes:.2f} |")
+    result["per_request_bytes_at_capacity"] = per_request
     layout = WindowLayout(parse_config({**base_cfg, "bits": 4}))
     bound = max_pages(layout, 1 + max(map(len, prompts[:2])))
     full = -(-(4 * C + 24) // args.block)

@@ -15,7 +15,7 @@ WIDE = {"sink_tokens": 4, "recent_tokens": 1020, "bits": 16, "block_size": 32,
 
 def test_within_capacity_equals_stock_vllm(reference):
     """bits=16, S + W longer than every sequence: the plugin's greedy tokens are stock vLLM's, 8 x 64."""
-    spec = {"prompts": reference["prompts"], "max_tokens": 64}
+    spec = {"prompts": reference["bits16"]["prompts"], "max_tokens": 64}
     stock = run_engine(spec)
     ours = run_engine({**spec, "qsinkkv": WIDE})
     assert "error" not in stock and "error" not in ours, (stock.get("error"), ours.get("error"))

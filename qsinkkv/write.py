@@ -19,6 +19,7 @@ write per tensor; any other ragged chunk row by row.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -170,57 +171,63 @@ def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
     return saved
 
 
-def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer) -> list:
-    """One new token for each sequence in ``rows`` (``k, v [len(rows), Hkv, D]``, in that order), each at
-    its own length, written with one indexed write per tensor (row by row would cost a pass per sequence).
-    The lists below name each sequence twice: its row in the storage and its place ``i`` in ``k, v``."""
-    layout, cfg = s.layout, s.layout.config
-    S, bs, F, nq = cfg.sink_tokens, cfg.block_size, layout.float_rows, max(layout.quant_slots, 1)
-    dev = s.device
-    index = torch.tensor(rows, dtype=torch.long)
-    r = s.seq_lens[index] - S                                   # each new token's recent index
-    if F and bool((r >= 0).all()):
-        q0, q1 = layout.quantized_blocks(r), layout.quantized_blocks(r + 1)
-        if bool(((q0 == q1) & (r >= q1 * bs) & ~layout.overwrites_live_float(r, q0)).all()):
-            # the common decode step, at any lengths: every token goes to its float-ring row, none completes a
-            # block or overwrites a row the shorter stream reads: one indexed write per tensor, nothing saved
-            row = (r % F).to(dev)
-            where = (slice(None), s.float_table[index.to(dev), row // bs], row % bs)
-            s.float_k[where] = k.transpose(0, 1).to(cfg.window_dtype)
-            s.float_v[where] = v.transpose(0, 1).to(cfg.window_dtype)
-            s.seq_lens[index] += 1
-            return []
-    sink_rows, sink_at, sink_pos, float_rows, float_at, float_row = [], [], [], [], [], []
-    full_rows, full_at, full_block = [], [], []  # sequences whose new token completes a block that stays visible
-    live_rows = []                               # sequences whose new float row holds a token the shorter stream reads
-    for i, b in enumerate(rows):
-        n = int(s.seq_lens[b])
+@dataclass(frozen=True)
+class _OneTokenPlan:
+    """Where the new tokens of a one-token step go, as host index tensors (``at``: places in ``k, v``; ``rows``:
+    rows of the storage): to the sinks at ``sink_pos``; to float-ring row ``float_row``; completing block
+    ``full_block`` (quantized now into its ring slot); ``live_*``: float rows the shorter stream still reads
+    (saved for undo). It depends only on the lengths, so every layer of a model step shares one."""
+    sink_at: Tensor
+    sink_rows: Tensor
+    sink_pos: Tensor
+    float_at: Tensor
+    float_rows: Tensor
+    float_row: Tensor
+    full_at: Tensor
+    full_rows: Tensor
+    full_block: Tensor
+    full_new: Tensor     # [n] recent index of the new token in each completing block's row
+    live_rows: Tensor
+    live_row: Tensor
+
+
+@functools.lru_cache(maxsize=8)
+def _one_token_plan(layout, lengths: tuple[int, ...], rows: tuple[int, ...]) -> _OneTokenPlan:
+    S, bs, F = layout.sink_tokens, layout.block_size, layout.float_rows
+    lists = {name: [] for name in _OneTokenPlan.__dataclass_fields__}
+    for i, (b, n) in enumerate(zip(rows, lengths)):   # once per step and lengths: plain ints
         if n < S:
-            sink_rows.append(b)
-            sink_at.append(i)
-            sink_pos.append(n)
+            lists["sink_at"].append(i), lists["sink_rows"].append(b), lists["sink_pos"].append(n)
             continue
         r = n - S                            # the new token's recent index
         q0, q1 = layout.quantized_blocks(r), layout.quantized_blocks(r + 1)
         if r >= q1 * bs:                     # it stays unquantized (else it completes its own block now)
-            float_rows.append(b)
-            float_at.append(i)
-            float_row.append(r % F)
+            lists["float_at"].append(i), lists["float_rows"].append(b), lists["float_row"].append(r % F)
             if layout.overwrites_live_float(r, q0):
-                live_rows.append(b)
+                lists["live_rows"].append(b), lists["live_row"].append(r % F)
         if q1 > max(q0, layout.first_kept_block(r + 1)):
-            full_rows.append(b)
-            full_at.append(i)
-            full_block.append(q1 - 1)
-    idx = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+            lists["full_at"].append(i), lists["full_rows"].append(b), lists["full_block"].append(q1 - 1)
+            lists["full_new"].append(r)
+    return _OneTokenPlan(**{name: torch.tensor(x, dtype=torch.long) for name, x in lists.items()})
+
+
+def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer) -> list:
+    """One new token for each sequence in ``rows`` (``k, v [len(rows), Hkv, D]``, in that order), each at
+    its own length, written with one indexed write per tensor and kind of row (a pass per sequence would cost
+    a pass per sequence); where each goes is ``_one_token_plan``'s, computed once for every layer of a step."""
+    layout, cfg = s.layout, s.layout.config
+    bs, F, nq = cfg.block_size, layout.float_rows, max(layout.quant_slots, 1)
+    dev = s.device
+    p = _one_token_plan(layout, tuple(s.seq_lens[rows].tolist()), tuple(rows))
+    on = lambda x: x.to(dev)  # noqa: E731
     quantized = None
-    if full_rows:  # read and quantize before writing anything: the new token may share a ring row
-        fr, blk = idx(full_rows), idx(full_block)
+    if p.full_at.numel():  # read and quantize before writing anything: the new token may share a ring row
+        fr, blk = on(p.full_rows), on(p.full_block)
         tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
-        new = tok == (s.seq_lens[full_rows].to(dev) - S).unsqueeze(1)                  # the new token's place
+        new = tok == on(p.full_new).unsqueeze(1)                                        # the new token's place
         blocks = []
         for ring, x in ((s.float_k, k), (s.float_v, v)):
-            xb = x[idx(full_at)].to(cfg.window_dtype).unsqueeze(1)                      # [n, 1, Hkv, D]
+            xb = x[p.full_at.to(x.device)].to(cfg.window_dtype).unsqueeze(1)            # [n, 1, Hkv, D]
             if F:  # the block's other tokens are in the float ring (empty when bs == 1 and R == 0: never read)
                 held = ring[:, s.float_table[fr.unsqueeze(1), tok % F // bs], tok % bs]    # [Hkv, n, bs, D]
                 xb = torch.where(new.view(*new.shape, 1, 1), xb, held.permute(1, 2, 0, 3))
@@ -229,25 +236,25 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
                      + quantizer.quantize_values(blocks[1].unsqueeze(2), cfg.bits, cfg.value_group_size,
                                                  cfg.scale_dtype))
     saved = []  # what the shorter stream reads and this step overwrites: a completing block's slot, live rows
-    if live_rows:
-        row = idx([float_row[float_rows.index(b)] for b in live_rows])
-        where_f = (slice(None), s.float_table[idx(live_rows), row // bs], row % bs)
+    if p.live_rows.numel():
+        row = on(p.live_row)
+        where_f = (slice(None), s.float_table[on(p.live_rows), row // bs], row % bs)
         saved += [_save(t, where_f) for t in (s.float_k, s.float_v)]
-    if full_rows:
+    if quantized is not None:
         where_q = (slice(None), s.quant_table[fr, blk % nq])                            # pool[where_q]: [Hkv, n, ...]
         saved += [_save(getattr(s, name), where_q) for name in QUANT_TENSORS]
         for name, src in zip(QUANT_TENSORS, quantized):
             getattr(s, name)[where_q] = src.squeeze(2).transpose(0, 1)
-    if sink_rows:
-        sr, sp = idx(sink_rows), idx(sink_pos)
-        where = (slice(None), s.sink_table[sr], sp)
-        s.sink_k[where] = k[idx(sink_at)].transpose(0, 1).to(cfg.sink_dtype)
-        s.sink_v[where] = v[idx(sink_at)].transpose(0, 1).to(cfg.sink_dtype)
-    if float_rows:
-        fr2, row = idx(float_rows), idx(float_row)
-        where = (slice(None), s.float_table[fr2, row // bs], row % bs)
-        s.float_k[where] = k[idx(float_at)].transpose(0, 1).to(cfg.window_dtype)
-        s.float_v[where] = v[idx(float_at)].transpose(0, 1).to(cfg.window_dtype)
+    if p.sink_at.numel():
+        where = (slice(None), s.sink_table[on(p.sink_rows)], on(p.sink_pos))
+        s.sink_k[where] = k[p.sink_at.to(k.device)].transpose(0, 1).to(cfg.sink_dtype)
+        s.sink_v[where] = v[p.sink_at.to(v.device)].transpose(0, 1).to(cfg.sink_dtype)
+    if p.float_at.numel():
+        row = on(p.float_row)
+        where = (slice(None), s.float_table[on(p.float_rows), row // bs], row % bs)
+        at = p.float_at.to(k.device)
+        s.float_k[where] = (k if len(at) == k.shape[0] else k[at]).transpose(0, 1).to(cfg.window_dtype)
+        s.float_v[where] = (v if len(at) == v.shape[0] else v[at]).transpose(0, 1).to(cfg.window_dtype)
     s.seq_lens[rows] += 1
     return saved
 

@@ -29,6 +29,7 @@ CASES = {  # script and tiny arguments -> the table header it must print
                    "| B | step tokens | attend ms | x B=first | attend_packed ms | x B=first |"),
     "pool": (["pool.py", "--shapes", "smollm2", "--capacity", "256"],
              "| model shape | cache | bytes / token | sequences at capacity | vs bf16 | bytes held / pool |"),
+    "write_op": (["write_op.py", "--batch", "2", "--reps", "2"], "| case | us / call |"),
     # the GPU path (no attention split, a synchronize per step) with the Triton backend, interpreted
     "generate_interpret": (["generate.py", "--context", "16", "--new", "1", "--backend", "triton", "--bits", "4",
                             "--baselines", "--interpret"], "| context | cache | ms/token |"),
@@ -75,6 +76,11 @@ def test_benchmark_runs_tiny(case, tmp_path):
         assert [r["cache"] for r in rows] == ["bf16 window", "int8", "int4"]
         assert rows[0]["sequences"] < rows[1]["sequences"] < rows[2]["sequences"], rows
         assert all(r["held_bytes"] <= r["pool_bytes"] for r in rows), rows
+        return
+    if case == "write_op":  # every case of the write timed
+        assert [r["case"] for r in rows] == ["decode, equal lengths", "decode, different lengths",
+                                             "decode completing a block", "64-token chunk per row"]
+        assert all(r["us"] > 0 for r in rows), rows
         return
     assert rows and len(rows) == (3 if case == "e2e_decode" else 1)
 

@@ -48,6 +48,8 @@ def main(argv=None) -> None:
     ap.add_argument("--block", type=int, default=32, help="qsinkkv's block size (default 32)")
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, stock vLLM's pages too (default bfloat16)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's max_num_seqs: float rings (default 64)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each engine, in turn (the table gives the median tokens/s; default 1)")
     ap.add_argument("--json", help="write the configuration and results here")
     args = ap.parse_args(argv)
     S, W = args.sink_tokens, recent_tokens(args)
@@ -59,11 +61,19 @@ def main(argv=None) -> None:
     llm = {"max_num_seqs": args.max_num_seqs}
     result = {"config": vars(args), "rows": []}
     engines = [("stock CPU_ATTN", None)] + [(f"qsinkkv bits={b}", {**base_cfg, "bits": b}) for b in (16, 8, 4)]
+    runs = {name: [] for name, _ in engines}
+    for _ in range(args.repeats):  # engines in turn, so that a slow spell of the host slows them alike
+        for name, qcfg in engines:
+            r = run({"prompts": prompts, "max_tokens": args.tokens, "qsinkkv": qcfg, "warmup": True,
+                     "dtype": args.dtype, "llm": llm})
+            if "error" in r:
+                raise RuntimeError(f"{name}: {r['error']}")
+            runs[name].append(r)
     for name, qcfg in engines:
-        r = run({"prompts": prompts, "max_tokens": args.tokens, "qsinkkv": qcfg, "warmup": True,
-                 "dtype": args.dtype, "llm": llm})
-        if "error" in r:
-            raise RuntimeError(f"{name}: {r['error']}")
+        r = dict(runs[name][0])
+        speeds = sorted(x["tokens_per_s"] for x in runs[name])
+        r["tokens_per_s_runs"] = speeds
+        r["tokens_per_s"] = speeds[len(speeds) // 2]
         outside = 0 if qcfg is None or qcfg["bits"] == 16 else \
             L * args.max_num_seqs * float_ring_bytes(parse_config(qcfg), Hkv, D)
         r["float_pool_bytes"] = outside
@@ -75,7 +85,8 @@ def main(argv=None) -> None:
                   "max_model_len": 4 * C + 64, "dtype": args.dtype, "llm": llm})
     rows = result["rows"]
     base, base_kv = rows[0]["tokens_per_s"], rows[0]["kv_tokens"]
-    print(f"vLLM {args.batch} prompts x {args.tokens} greedy tokens, {args.dtype}, enforce_eager, max_num_seqs "
+    print(f"vLLM {args.batch} prompts x {args.tokens} greedy tokens (tokens/s: median of {args.repeats} runs, in "
+          f"turn), {args.dtype}, enforce_eager, max_num_seqs "
           f"{args.max_num_seqs}, VLLM_CPU_KVCACHE_SPACE={pool / 2**30:g} GiB; qsinkkv S={S} W={W} block "
           f"{args.block} (value groups of {args.block}); {model_dir.name}: {L} layers, {Hkv} KV heads, head_dim {D}")
     table_header(["engine", "tokens/s", "x stock", "KV tokens (vLLM pool)", "float pools MiB",

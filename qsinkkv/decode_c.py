@@ -183,11 +183,10 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     out = torch.empty(B, H, D, dtype=torch.float32)
     keep = [q32, bias, logits]  # alive until the call returns
     ptr = lambda t: None if t is None else _contiguous(t, keep).data_ptr()  # noqa: E731
-    pools = {name: _blocks_contiguous(getattr(s, name), keep) for name in _POOLS}
-    strides = (ctypes.c_int64 * 2 * 10)(*[(ctypes.c_int64 * 2)(t.stride(0), t.stride(1)) for t in pools.values()])
+    pointers, strides = _pools(s, keep)
     a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=cfg.sink_tokens, bs=cfg.block_size,
               quant_slots=s.layout.quant_slots, float_slots=s.layout.float_slots, bits=cfg.bits,
-              groups=s.value_scale.shape[-1], **{name: t.data_ptr() for name, t in pools.items()}, st=strides,
+              groups=s.value_scale.shape[-1], **pointers, st=strides,
               sink_dtype=_DTYPES[cfg.sink_dtype], window_dtype=_DTYPES[cfg.window_dtype],
               scale_dtype=_DTYPES[cfg.scale_dtype],
               sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table),
@@ -208,6 +207,28 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     if any(codes):
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
     return out.to(q.dtype)
+
+
+_POOLS_SEEN: dict = {}  # (data_ptr, shape, stride) of every pool -> (pointers, strides): the last layers' pools
+
+
+def _pools(s: LayerStorage, keep: list) -> tuple[dict, ctypes.Array]:
+    """The pools' pointers and (head, block) strides for the C struct; the same pools (a cache's layers, an
+    engine's pages) are seen at every step, so the answer for each is kept (a pool copied because its
+    blocks were not contiguous is not kept: its copy dies with the call)."""
+    tensors = [getattr(s, name) for name in _POOLS]
+    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
+    seen = _POOLS_SEEN.get(key)
+    if seen is not None:
+        return seen
+    pools = [_blocks_contiguous(t, keep) for t in tensors]
+    strides = (ctypes.c_int64 * 2 * 10)(*[(ctypes.c_int64 * 2)(t.stride(0), t.stride(1)) for t in pools])
+    seen = ({name: t.data_ptr() for name, t in zip(_POOLS, pools)}, strides)
+    if all(p is t for p, t in zip(pools, tensors)):
+        if len(_POOLS_SEEN) >= 256:  # a few models' layers; a new set of pools starts over
+            _POOLS_SEEN.clear()
+        _POOLS_SEEN[key] = seen
+    return seen
 
 
 def _blocks_contiguous(pool: Tensor, keep: list) -> Tensor:

@@ -194,21 +194,22 @@ class _OneTokenPlan:
 @functools.lru_cache(maxsize=8)
 def _one_token_plan(layout, lengths: tuple[int, ...], rows: tuple[int, ...]) -> _OneTokenPlan:
     S, bs, F = layout.sink_tokens, layout.block_size, layout.float_rows
-    lists = {name: [] for name in _OneTokenPlan.__dataclass_fields__}
+    sink, floats, live, full = [], [], [], []      # per token: (place in k, v; storage row; where it goes)
     for i, (b, n) in enumerate(zip(rows, lengths)):   # once per step and lengths: plain ints
         if n < S:
-            lists["sink_at"].append(i), lists["sink_rows"].append(b), lists["sink_pos"].append(n)
+            sink.append((i, b, n))
             continue
         r = n - S                            # the new token's recent index
         q0, q1 = layout.quantized_blocks(r), layout.quantized_blocks(r + 1)
         if r >= q1 * bs:                     # it stays unquantized (else it completes its own block now)
-            lists["float_at"].append(i), lists["float_rows"].append(b), lists["float_row"].append(r % F)
+            floats.append((i, b, r % F))
             if layout.overwrites_live_float(r, q0):
-                lists["live_rows"].append(b), lists["live_row"].append(r % F)
+                live.append((b, r % F))
         if q1 > max(q0, layout.first_kept_block(r + 1)):
-            lists["full_at"].append(i), lists["full_rows"].append(b), lists["full_block"].append(q1 - 1)
-            lists["full_new"].append(r)
-    return _OneTokenPlan(**{name: torch.tensor(x, dtype=torch.long) for name, x in lists.items()})
+            full.append((i, b, q1 - 1, r))
+    def columns(entries, n):  # [(a, b, ...)] -> [tensor of a, tensor of b, ...]
+        return [torch.tensor([e[j] for e in entries], dtype=torch.long) for j in range(n)]
+    return _OneTokenPlan(*columns(sink, 3), *columns(floats, 3), *columns(full, 4), *columns(live, 2))
 
 
 def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer) -> list:

@@ -186,12 +186,18 @@ def test_reset_one_row_for_a_new_sequence():
     assert batch.seq_lens().tolist() == [11, 5]
 
 
-def test_crop_per_sequence():
+def _two_layers_two_rows(lengths):
+    """A 2-layer int4 cache (block 4) whose two rows hold ``lengths`` tokens in both layers, and its row draw."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=4, block_size=4, value_group_size=4)
-    batch = SinkQuantCache(cfg, 2, 2, HKV, D, dtype=torch.float32)
+    cache = SinkQuantCache(cfg, 2, 2, HKV, D, dtype=torch.float32)
     draw = run_rows(cfg, B=2)
     for layer in range(2):
-        batch.append(layer, *draw(9)[1:], [9, 4])
+        cache.append(layer, *draw(max(lengths))[1:], lengths)
+    return cache, draw
+
+
+def test_crop_per_sequence():
+    batch, _ = _two_layers_two_rows([9, 4])
     batch.crop([1, 2])
     assert batch.seq_lens(1).tolist() == [8, 2]
     snap = snapshot(batch)
@@ -205,11 +211,7 @@ def test_crop_per_sequence():
 
 
 def test_crop_to_refusals_change_nothing():
-    cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=4, block_size=4, value_group_size=4)
-    cache = SinkQuantCache(cfg, 2, 2, HKV, D, dtype=torch.float32)
-    draw = run_rows(cfg, B=2)
-    for layer in range(2):
-        cache.append(layer, *draw(8)[1:], [8, 4])
+    cache, draw = _two_layers_two_rows([8, 4])
     cache.append(0, *draw(1)[1:])  # layer 0 one step ahead (completing no block), as after an interrupt
     snap = snapshot(cache)
     with pytest.raises(ValueError, match=r"layer 1 holds \[8, 4\] tokens, fewer than \[9, 5\]"):

@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCache
 from ...engine_pages import PageLayout
 from ...layout import visible_mask
 from . import state
-from .quantized import QuantImpl, QuantMetadataBuilder, refused_impl_options
+from .quantized import QuantImpl, QuantMetadataBuilder, impl_config
 from .spec import QSinkKVSpec
 
 
@@ -164,14 +164,8 @@ class QSinkKVImpl(AttentionImpl):
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: Tensor | None = None) -> None:
-        bad = refused_impl_options(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
-                                   kv_sharing_target_layer_name, sinks)
-        if bad:
-            raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a plain decoder with full "
-                             "attention layers is what it serves)")
-        cfg = state.active()
-        if cfg is None:
-            raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
+        cfg = impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                          sinks)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
         self.group = num_heads // num_kv_heads

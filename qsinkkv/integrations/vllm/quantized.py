@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from ...config import CacheConfig
 from ...engine_pages import PageLayout, attend_packed, step_tables, storages
 from ...layout import WindowLayout
 from ...ops import select_ops
@@ -73,15 +74,9 @@ class QuantImpl(AttentionImpl):
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: Tensor | None = None) -> None:
-        bad = refused_impl_options(alibi_slopes, sliding_window, logits_soft_cap, attn_type,
-                                   kv_sharing_target_layer_name, sinks)
-        if bad:
-            raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a plain decoder with full "
-                             "attention layers is what it serves)")
-        cfg = state.active()
+        cfg = impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                          sinks)
         vllm_config = state.current_vllm_config()
-        if cfg is None or vllm_config is None:
-            raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
         self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, float(scale), num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.layout = WindowLayout(cfg)
@@ -122,10 +117,19 @@ class QuantImpl(AttentionImpl):
         return self._views[1]
 
 
-def refused_impl_options(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                         sinks) -> list[str]:
+def impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                sinks) -> CacheConfig:
+    """The engine's qsinkkv config for a layer's attention impl (bits 16 or 8/4); refuses, by name, what the
+    layer asks for that the backend does not serve."""
     refused = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
                "logits_soft_cap": bool(logits_soft_cap), "attention sinks (learned)": sinks is not None,
                "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
                f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
-    return [name for name, on in refused.items() if on]
+    bad = [name for name, on in refused.items() if on]
+    if bad:
+        raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a plain decoder with full "
+                         "attention layers is what it serves)")
+    cfg = state.active()
+    if cfg is None or state.current_vllm_config() is None:
+        raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
+    return cfg

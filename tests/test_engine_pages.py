@@ -188,3 +188,36 @@ def test_refusals_name_the_input():
     layout = WindowLayout(CacheConfig(sink_tokens=4, recent_tokens=60, block_size=16, value_group_size=16))
     with pytest.raises(RuntimeError, match="null page"):   # a step that completes a block into a page never given
         step_tables(layout, torch.tensor([[3, 0, 0]]), torch.tensor([19]), torch.tensor([1]))
+
+
+def test_refused_step_changes_no_page_ring_or_length():
+    """Non-finite K/V or q is refused by name before the step writes: every page byte, both float pools and
+    the lengths stay as they were."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
+    layout = WindowLayout(cfg)
+    pl = PageLayout.of(cfg, Hkv, D)
+    buf = torch.zeros(16, pl.page_bytes, dtype=torch.uint8)
+    pools = pl.views(buf)
+    float_k = torch.zeros(Hkv, 2 * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
+    float_v = torch.zeros_like(float_k)
+    ops = select_ops("torch", torch.device("cpu"), D, None)
+    rings = FloatRings(2)
+    g = torch.Generator().manual_seed(0)
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    held, lens = torch.tensor([0, 0]), torch.tensor([12, 5])   # two prompts: both complete a block
+    for bad in ("k", "v", "q"):
+        qsl = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
+        q = torch.randn(17, Hkv * G, D, generator=g)
+        k, v = torch.randn(17, Hkv, D, generator=g), torch.randn(17, Hkv, D, generator=g)
+        {"k": k, "v": v, "q": q}[bad][9, 0, 1] = float("nan")
+        tables = step_tables(layout, table, held, lens)
+        read, store = storages(pools, float_k, float_v, layout, tables, rings.rings(tables[0], held), held)
+        before = (buf.clone(), float_k.clone(), float_v.clone(), store.seq_lens.clone())
+        with pytest.raises(ValueError, match=bad):
+            attend_packed(ops, read, store, q, k, v, qsl)
+        assert torch.equal(buf, before[0]) and torch.equal(float_k, before[1]) and torch.equal(float_v, before[2])
+        assert torch.equal(store.seq_lens, before[3]) and torch.equal(read.seq_lens, before[3])
+    k[9, 0, 1] = v[9, 0, 1] = q[9, 0, 1] = 0.5   # the same step, finite: it does write the pages and a ring
+    attend_packed(ops, read, store, q, k, v, qsl)
+    assert not torch.equal(buf, before[0]) and not torch.equal(float_k, before[1])
+    assert store.seq_lens.tolist() == [12, 5]

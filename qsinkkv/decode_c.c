@@ -4,11 +4,15 @@
  *
  * One unit of work is (KV head h, sequence b): its G query heads attend together over the slots of
  * sequence b in slot_positions order (sinks, quantized ring, float ring), visible where bias[b, n] is
- * 0 (-inf: not seen; a block or row not seen is skipped, not read). Scores of a quantized block fold the
- * key scales into the query, once per block:  q . k_t = (q * s_blk) . codes_t + q . z_blk; a value row is
- * dequantized (codes * s + z per channel group, in float32 as the reference does) into a local row and
- * added with its probability. Every product runs over aligned local arrays in a fixed order, so a unit's
- * result does not depend on the batch it is in, nor on the thread that computes it.
+ * 0 (-inf: not seen; a block or row not seen is skipped, not read). The slots are taken a segment at a time
+ * (the sinks, each quantized block, each float-ring block): the segment's seen rows are widened into a local
+ * float32 array of rows, packed, and each query head's dot products run over them. Scores of a quantized
+ * block fold the key scales into the query, once per block:  q . k_t = (q * s_blk) . codes_t + q . z_blk.
+ * Values are added LANES channels at a time with the G heads' sums held in registers across the segment's
+ * rows; a quantized value row is dequantized there (codes * s + z of the chunk's channel group, float32 as
+ * the reference does) when a group is whole vectors, else row by row first. Every product runs over aligned
+ * local arrays in a fixed order, so a unit's result does not depend on the batch it is in, nor on the
+ * thread that computes it.
  *
  * Why not PyTorch ops: the torch path writes the whole window as float32 into a buffer and reads it back
  * at every layer of every step (several passes over 4 bytes per element, ~80 ops a call); this reads each
@@ -18,6 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };  /* dtype codes, as decode_c.py passes them */
 #define MAX_D 512
@@ -35,7 +42,8 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-/* n values of dtype `dt` at element offset `i` of `p`, as float32 into `out` */
+/* n values of dtype `dt` at element offset `i` of `p`, as float32 into `out` (fp16 by the F16C instructions
+ * where the machine has them: the same exact conversion, 8 at a time) */
 static inline void load(const void *p, int dt, int64_t i, int n, float *restrict out) {
     if (dt == F32) {
         memcpy(out, (const float *)p + i, (size_t)n * 4);
@@ -45,23 +53,15 @@ static inline void load(const void *p, int dt, int64_t i, int n, float *restrict
         for (int d = 0; d < n; d++) dst[d] = (uint32_t)src[d] << 16;
     } else {
         const uint16_t *src = (const uint16_t *)p + i;
-        for (int d = 0; d < n; d++) out[d] = half_to_float(src[d]);
+        int d = 0;
+#ifdef __F16C__
+        for (; d + 8 <= n; d += 8) _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+        for (; d < n; d++) out[d] = _cvtsh_ss(src[d]);
+#endif
+        for (; d < n; d++) out[d] = half_to_float(src[d]);
     }
 }
 
-/* codes of one token row (D channels; int4: byte j holds channel j low, channel j + D/2 high) */
-static void unpack(const uint8_t *restrict c, int bits, int D, float *restrict out) {
-    if (bits == 8) {
-        for (int d = 0; d < D; d++) out[d] = (float)c[d];
-    } else {
-        int half = D / 2;
-        for (int d = 0; d < half; d++) out[d] = (float)(c[d] & 15);
-        for (int d = 0; d < half; d++) out[half + d] = (float)(c[d] >> 4);
-    }
-}
-
-/* Rows of D floats are held as Dp = D rounded up to 8 floats, zero past D, in 8-float vectors (AVX2 with
- * -march=native on x86; two halves on 128-bit machines): every product runs over whole vectors. */
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -93,19 +93,130 @@ static inline v8 exp_nonpositive(v8 x) {
     return (v8)((v8i)(p * (v8)two_n) & ~under);
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t Vn) {
-    v8 s0 = {0}, s1 = {0};  /* two chains: half the latency of one */
-    int64_t v = 0;
-    for (; v + 1 < Vn; v += 2) {
-        s0 += V(a)[v] * V(b)[v];
-        s1 += V(a)[v + 1] * V(b)[v + 1];
-    }
-    if (v < Vn) s0 += V(a)[v] * V(b)[v];
-    return hsum(s0 + s1);
+/* A row's products run over vectors of LANES floats: 16 where the machine has AVX-512 (half the instructions
+ * per row), else 8; rows are padded (with zeros) to a multiple of LANES */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vr __attribute__((vector_size(LANES * 4)));
+#define VR(x) ((vr *)(x))
+
+static inline float hsum_r(vr s) {
+#if LANES == 16
+    v8 lo, hi;
+    memcpy(&lo, &s, 32);
+    memcpy(&hi, (char *)&s + 32, 32);
+    return hsum(lo + hi);
+#else
+    return hsum(s);
+#endif
 }
 
-static inline void axpy(float *restrict y, float p, const float *restrict x, int64_t Vn) {
-    for (int64_t v = 0; v < Vn; v++) V(y)[v] += p * V(x)[v];
+static inline float dot(const float *restrict a, const float *restrict b, int64_t Vn) {
+    vr s0 = {0}, s1 = {0};  /* two chains: half the latency of one */
+    int64_t v = 0;
+    for (; v + 1 < Vn; v += 2) {
+        s0 += VR(a)[v] * VR(b)[v];
+        s1 += VR(a)[v + 1] * VR(b)[v + 1];
+    }
+    if (v < Vn) s0 += VR(a)[v] * VR(b)[v];
+    return hsum_r(s0 + s1);
+}
+
+/* codes of one token row as D floats (int4: byte j holds channel j low, channel j + D/2 high), 8 at a time
+ * where the row splits into whole vectors (AVX2: a zero-extend and a convert per 8 codes) */
+static inline void widen(const uint8_t *restrict c, float *restrict out) {  /* 8 bytes -> 8 floats */
+#ifdef __AVX2__
+    _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c))));
+#else
+    for (int d = 0; d < 8; d++) out[d] = (float)c[d];
+#endif
+}
+
+static inline void widen_nibbles(const uint8_t *restrict c, float *restrict lo, float *restrict hi) {
+#ifdef __AVX2__
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)c), low = _mm_set1_epi8(15);
+    _mm256_store_ps(lo, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, low))));
+    _mm256_store_ps(hi, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low))));
+#else
+    for (int d = 0; d < 8; d++) {
+        lo[d] = (float)(c[d] & 15);
+        hi[d] = (float)(c[d] >> 4);
+    }
+#endif
+}
+
+/* out is 32-byte aligned */
+static inline void unpack(const uint8_t *restrict c, int bits, int64_t D, float *restrict out) {
+    int64_t d = 0;
+    if (bits == 8) {
+        for (; d + 8 <= D; d += 8) widen(c + d, out + d);
+        for (; d < D; d++) out[d] = (float)c[d];
+        return;
+    }
+    const int64_t half = D / 2;
+    if (half % 8 == 0) {
+        for (; d < half; d += 8) widen_nibbles(c + d, out + d, out + half + d);
+        return;
+    }
+    for (; d < half; d++) {
+        out[d] = (float)(c[d] & 15);
+        out[half + d] = (float)(c[d] >> 4);
+    }
+}
+
+/* the offsets t < n where bias[t] is 0 (seen), in order, into idx; returns how many */
+static inline int64_t seen_rows(const float *bias, int64_t n, int64_t *restrict idx) {
+    int64_t count = 0;
+    for (int64_t t = 0; t < n; t++)
+        if (bias[t] == 0.0f) idx[count++] = t;
+    return count;
+}
+
+/* sc[g * Ns + idx[i]] = qx[g] . rows[i] (+ qz[g]) for the n packed rows (Dp floats apart) */
+static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t Dp, float (*qx)[MAX_D],
+                              const float *qz, float *sc, int64_t Ns, const int64_t *idx, int64_t Vn) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < ng; g++) {
+            const float s = dot(qx[g], rows + i * Dp, Vn);
+            sc[g * Ns + idx[i]] = qz ? s + qz[g] : s;
+        }
+}
+
+/* acc[g] += sum_i w[g * R + i] * x_i over the n packed rows, LANES channels (chunk c) at a time; x_i = rows[i], or
+ * with `scale` the dequantized rows[i] * scale[i * K + k] + zero[i * K + k] (k = c / cpk: the chunk's value
+ * group; the same arithmetic as the reference's dequantization, in registers). The NG sums of a chunk stay
+ * in registers across the rows (NG a constant in each of accumulate's cases) */
+static inline __attribute__((always_inline)) void accumulate_ng(
+        const int64_t NG, int64_t n, const float *restrict rows, int64_t Dp, const float *restrict w, int64_t R,
+        const float *restrict scale, const float *restrict zero, int64_t K, int64_t cpk, int64_t Vn,
+        float (*restrict acc)[MAX_D]) {
+    for (int64_t c = 0; c < Vn; c++) {
+        const int64_t k = scale ? c / cpk : 0;
+        vr r[8];
+        for (int64_t g = 0; g < NG; g++) r[g] = (vr){0};
+        for (int64_t i = 0; i < n; i++) {
+            vr x = VR(rows + i * Dp)[c];
+            if (scale) x = x * scale[i * K + k] + zero[i * K + k];
+            for (int64_t g = 0; g < NG; g++) r[g] += w[g * R + i] * x;
+        }
+        for (int64_t g = 0; g < NG; g++) VR(acc[g])[c] += r[g];
+    }
+}
+
+static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R,
+                       const float *scale, const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D]) {
+    switch (ng) {
+#define CASE(NG) \
+    case NG: \
+        if (scale) accumulate_ng(NG, n, rows, Dp, w, R, scale, zero, K, cpk, Vn, acc); \
+        else accumulate_ng(NG, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc); \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
 }
 
 typedef struct {
@@ -132,15 +243,21 @@ enum { SINK_K, SINK_V, FLOAT_K, FLOAT_V, KEY_SCALE, KEY_ZERO, VALUE_SCALE, VALUE
 /* element offset of block `blk` of head `h` in pool `p` */
 #define AT(p, h, blk) ((h) * a->st[p][0] + (blk) * a->st[p][1])
 
-/* units [u0, u1) of h * B + b; `scores` holds 8 rows of N floats, each row 64-byte aligned (so that the
- * vectorized softmax splits every row the same way, whatever the call) */
-static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
-    const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots, F = a->float_slots * bs;
-    const int64_t N = S + nq * bs + F, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
-    const int64_t Vn = (D + 7) / 8, groups = a->groups, gsz = groups ? D / groups : D;
+/* units [u0, u1) of h * B + b. Scratch: `scores` 8 rows of Ns floats, each row 64-byte aligned (so that the
+ * vectorized softmax splits every row the same way, whatever the call); `rows` R rows of Dp floats (zero
+ * past D), the seen rows of one segment (the sinks, a quantized block, a float-ring block) as float32;
+ * `w` [8, R] their probabilities; `vs`, `vz` [R, groups] a quantized block's value scales and zeros; `idx` [R]
+ * their offsets in the segment */
+static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, float *rows, float *w, float *vs,
+                         float *vz, int64_t *idx) {
+    const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots, nf = a->float_slots;
+    const int64_t N = S + nq * bs + nf * bs, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
+    const int64_t Vn = (D + LANES - 1) / LANES, Dp = Vn * LANES, groups = a->groups, gsz = groups ? D / groups : D;
+    const int64_t R = S > bs ? S : bs;
+    /* value groups of whole vectors are dequantized in registers as they are added; others row by row first */
+    const int in_registers = groups && gsz % LANES == 0;
     /* zeroed once: nothing below writes past D, so the padding stays 0 */
-    float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ALIGN row[MAX_D] = {0},
-        ALIGN ks[MAX_D], ALIGN kz[MAX_D], qz[8], vs[MAX_D], vz[MAX_D];
+    float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ks[MAX_D], kz[MAX_D], qz[8];
     for (int64_t u = u0; u < u1; u++) {
         const int64_t h = u / a->B, b = u % a->B;
         const float *bias = a->bias + b * N;
@@ -155,17 +272,13 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
             for (int64_t g = 0; g < ng; g++) memset(acc[g], 0, sizeof acc[g]);
             /* keys: sinks */
             const int64_t page = S ? a->sink_table[b] : 0;
-            for (int64_t s = 0; s < S; s++) {
-                if (bias[s] != 0.0f) continue;
-                load(a->sink_k, a->sink_dtype, AT(SINK_K, h, page) + s * D, D, row);
-                for (int64_t g = 0; g < ng; g++) sc[g * Ns + s] = dot(qg[g], row, Vn);
-            }
+            int64_t n = seen_rows(bias, S, idx);
+            for (int64_t i = 0; i < n; i++) load(a->sink_k, a->sink_dtype, AT(SINK_K, h, page) + idx[i] * D, D, rows + i * Dp);
+            score_rows(ng, n, rows, Dp, qg, NULL, sc, Ns, idx, Vn);
             /* keys: quantized ring, the scales folded into the query once per block */
             for (int64_t j = 0; j < nq; j++) {
                 const int64_t blk = a->quant_table[b * nq + j], n0 = S + j * bs;
-                int seen = 0;
-                for (int64_t t = 0; t < bs && !seen; t++) seen = bias[n0 + t] == 0.0f;
-                if (blk < 0 || !seen) continue;
+                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
                 load(a->key_scale, a->scale_dtype, AT(KEY_SCALE, h, blk), D, ks);
                 load(a->key_zero, a->scale_dtype, AT(KEY_ZERO, h, blk), D, kz);
                 for (int64_t g = 0; g < ng; g++) {
@@ -175,18 +288,16 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
                     qz[g] = z;
                 }
                 const uint8_t *codes = a->key_codes + AT(KEY_CODES, h, blk);
-                for (int64_t t = 0; t < bs; t++) {
-                    if (bias[n0 + t] != 0.0f) continue;
-                    unpack(codes + t * Dc, a->bits, D, row);
-                    for (int64_t g = 0; g < ng; g++) sc[g * Ns + n0 + t] = dot(qs[g], row, Vn) + qz[g];
-                }
+                for (int64_t i = 0; i < n; i++) unpack(codes + idx[i] * Dc, a->bits, D, rows + i * Dp);
+                score_rows(ng, n, rows, Dp, qs, qz, sc + n0, Ns, idx, Vn);
             }
-            /* keys: float ring */
-            for (int64_t r = 0; r < F; r++) {
-                const int64_t n = S + nq * bs + r, blk = a->float_table[b * a->float_slots + r / bs];
-                if (blk < 0 || bias[n] != 0.0f) continue;
-                load(a->float_k, a->window_dtype, AT(FLOAT_K, h, blk) + r % bs * D, D, row);
-                for (int64_t g = 0; g < ng; g++) sc[g * Ns + n] = dot(qg[g], row, Vn);
+            /* keys: float ring, a block at a time */
+            for (int64_t f = 0; f < nf; f++) {
+                const int64_t blk = a->float_table[b * nf + f], n0 = S + nq * bs + f * bs;
+                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
+                for (int64_t i = 0; i < n; i++)
+                    load(a->float_k, a->window_dtype, AT(FLOAT_K, h, blk) + idx[i] * D, D, rows + i * Dp);
+                score_rows(ng, n, rows, Dp, qg, NULL, sc + n0, Ns, idx, Vn);
             }
             /* softmax (unnormalized; a learned sink logit adds a term with no value) */
             float sum[8];
@@ -194,7 +305,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
                 float *x = sc + g * Ns, m = -INFINITY, total = 0.0f;
                 const float sl = a->sink_logits ? a->sink_logits[h * G + g0 + g] : -INFINITY;
 #pragma omp simd reduction(max : m)
-                for (int64_t n = 0; n < N; n++) m = x[n] > m ? x[n] : m;
+                for (int64_t t = 0; t < N; t++) m = x[t] > m ? x[t] : m;
                 m = sl > m ? sl : m;
                 if (m == -INFINITY) {  /* nothing visible (a sequence with no token): output 0 */
                     sum[g] = 0.0f;
@@ -208,31 +319,39 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
                 total = hsum(t);
                 sum[g] = total + (a->sink_logits ? expf(sl - m) : 0.0f);
             }
-            /* values */
-            for (int64_t s = 0; s < S; s++) {
-                if (bias[s] != 0.0f) continue;
-                load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + s * D, D, row);
-                for (int64_t g = 0; g < ng; g++) axpy(acc[g], sc[g * Ns + s], row, Vn);
+            /* values: sinks, then the quantized ring, then the float ring, each a segment of packed seen rows */
+            n = seen_rows(bias, S, idx);
+            for (int64_t i = 0; i < n; i++) {
+                load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + idx[i] * D, D, rows + i * Dp);
+                for (int64_t g = 0; g < ng; g++) w[g * R + i] = sc[g * Ns + idx[i]];
             }
+            accumulate(ng, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc);
             for (int64_t j = 0; j < nq; j++) {
                 const int64_t blk = a->quant_table[b * nq + j], n0 = S + j * bs;
-                if (blk < 0) continue;
+                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
                 const uint8_t *codes = a->value_codes + AT(VALUE_CODES, h, blk);
-                for (int64_t t = 0; t < bs; t++) {
-                    if (bias[n0 + t] != 0.0f) continue;
+                for (int64_t i = 0; i < n; i++) {
+                    const int64_t t = idx[i];
+                    float *row = rows + i * Dp, *s = vs + i * groups, *z = vz + i * groups;
                     unpack(codes + t * Dc, a->bits, D, row);
-                    load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk) + t * groups, groups, vs);
-                    load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk) + t * groups, groups, vz);
-                    for (int64_t k = 0; k < groups; k++)  /* the token's values, dequantized */
-                        for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) row[d] = row[d] * vs[k] + vz[k];
-                    for (int64_t g = 0; g < ng; g++) axpy(acc[g], sc[g * Ns + n0 + t], row, Vn);
+                    load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk) + t * groups, groups, s);
+                    load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk) + t * groups, groups, z);
+                    for (int64_t g = 0; g < ng; g++) w[g * R + i] = sc[g * Ns + n0 + t];
+                    if (!in_registers)  /* the token's values, dequantized */
+                        for (int64_t k = 0; k < groups; k++)
+                            for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) row[d] = row[d] * s[k] + z[k];
                 }
+                if (in_registers) accumulate(ng, n, rows, Dp, w, R, vs, vz, groups, gsz / LANES, Vn, acc);
+                else accumulate(ng, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc);
             }
-            for (int64_t r = 0; r < F; r++) {
-                const int64_t n = S + nq * bs + r, blk = a->float_table[b * a->float_slots + r / bs];
-                if (blk < 0 || bias[n] != 0.0f) continue;
-                load(a->float_v, a->window_dtype, AT(FLOAT_V, h, blk) + r % bs * D, D, row);
-                for (int64_t g = 0; g < ng; g++) axpy(acc[g], sc[g * Ns + n], row, Vn);
+            for (int64_t f = 0; f < nf; f++) {
+                const int64_t blk = a->float_table[b * nf + f], n0 = S + nq * bs + f * bs;
+                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
+                for (int64_t i = 0; i < n; i++) {
+                    load(a->float_v, a->window_dtype, AT(FLOAT_V, h, blk) + idx[i] * D, D, rows + i * Dp);
+                    for (int64_t g = 0; g < ng; g++) w[g * R + i] = sc[g * Ns + n0 + idx[i]];
+                }
+                accumulate(ng, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc);
             }
             for (int64_t g = 0; g < ng; g++) {
                 float *dst = a->out + (b * a->Hkv * G + h * G + g0 + g) * D;
@@ -247,11 +366,27 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores) {
 int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     if (a->D > MAX_D || a->D < 1 || (a->groups && a->groups > MAX_D)) return -1;
     const int64_t N = a->S + a->quant_slots * a->bs + a->float_slots * a->bs, Ns = (N + 15) / 16 * 16;
+    const int64_t Dp = (a->D + LANES - 1) / LANES * LANES, R = a->S > a->bs ? a->S : a->bs, K = a->groups > 1 ? a->groups : 1;
+    const size_t rows_bytes = (size_t)(R * Dp) * sizeof(float);
     float *scores = aligned_alloc(64, (size_t)(8 * Ns) * sizeof(float));
-    if (!scores) return -2;
-    attend_units(a, u0, u1, scores);
+    float *rows = aligned_alloc(64, (rows_bytes + 63) / 64 * 64);
+    float *w = malloc((size_t)(8 * R) * sizeof(float)), *vs = malloc((size_t)(R * K) * sizeof(float)),
+          *vz = malloc((size_t)(R * K) * sizeof(float));
+    int64_t *idx = malloc((size_t)R * sizeof(int64_t));
+    int code = 0;
+    if (scores && rows && w && vs && vz && idx) {
+        memset(rows, 0, rows_bytes);
+        attend_units(a, u0, u1, scores, rows, w, vs, vz, idx);
+    } else {
+        code = -2;
+    }
     free(scores);
-    return 0;
+    free(rows);
+    free(w);
+    free(vs);
+    free(vz);
+    free(idx);
+    return code;
 }
 
 int64_t qsinkkv_args_size(void) { return (int64_t)sizeof(Args); }

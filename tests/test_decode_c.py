@@ -64,6 +64,28 @@ def test_positions_past_2_31_and_empty_rows(bits):
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # a sequence with no token sees nothing: 0, not NaN
 
 
+@pytest.mark.parametrize("bits, head_dim, group, heads", [
+    (4, 64, 32, 9),   # value groups of whole vectors (dequantized in registers), > 8 query heads (two passes)
+    (8, 64, 8, 3),    # groups narrower than a vector on AVX-512 (dequantized row by row first)
+    (4, 12, 6, 2),    # int4 halves of 6 codes (no whole vector): the scalar unpack; rows padded past D
+    (8, 24, 24, 5),   # int8 rows of 24 codes: whole 8-code loads and a padded tail
+    (16, 20, 20, 4)])
+def test_every_row_shape_matches_the_reference(bits, head_dim, group, heads):
+    """Each way the C decode reads a row (codes unpacked 8 at a time or one by one, value groups folded into
+    the vector loop or dequantized first, rows padded to whole vectors, query heads in passes of 8) against
+    the float64 reference, with the fp16 scales read by F16C where the machine has it; and each row alone."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=45, bits=bits, block_size=8, value_group_size=group)
+    Hkv = 2
+    layer = random_storage_layer(cfg, 3, Hkv, seed=head_dim + bits, D=head_dim)
+    layer.seq_lens.copy_(torch.tensor([70, 9, 33]))
+    q = torch.randn(3, Hkv * heads, head_dim, generator=torch.Generator().manual_seed(head_dim))
+    out = decode_c.decode_attention_c(q, layer, scale=0.3)
+    ref = decode_attention_reference(q.double(), layer, scale=0.3)
+    assert rel_rms(out.double(), ref) < 1e-6
+    for b in range(3):
+        assert torch.equal(decode_c.decode_attention_c(q[b:b + 1], layer.rows(b), scale=0.3), out[b:b + 1])
+
+
 def test_threads_do_not_change_the_bits(monkeypatch):
     """The (KV head, sequence) units split over threads: each unit's arithmetic is the same."""
     monkeypatch.setattr(decode_c, "THREAD_WORK", 1)  # threads for any work

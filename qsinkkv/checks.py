@@ -184,7 +184,7 @@ def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor
     not cost B x T)."""
     n0 = seq_lens
     if split is None or packed:
-        busy = n0 if split is None else n0[[b for b, t in enumerate(split.lens) if t]]
+        busy = n0 if split is None or all(split.lens) else n0[[b for b, t in enumerate(split.lens) if t]]
         if not busy.numel() or int(busy.min()) >= config.sink_tokens:
             return _raise_refused(peaks_fit(k, v, q, sink_logits, config.window_dtype) if k.numel() else {}, config)
     ok = {"k": [], "v": [], "q": []}
@@ -225,16 +225,23 @@ def _raise_refused(ok: dict[str, bool], config: CacheConfig) -> None:
 
 def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None,
               window_dtype: torch.dtype) -> dict[str, bool]:
-    """Every token of ``k, v`` goes to the window: one reduction per tensor and one sync. |x| below the
-    window dtype's overflow bound means finite once stored (NaN fails every comparison).
-    Returns check name -> passed."""
+    """Every token of ``k, v`` goes to the window: one reduction per tensor and one sync (one reduction over
+    all of them when they share one bound: a small step's cost is its ops). |x| below the window dtype's
+    overflow bound means finite once stored (NaN fails every comparison). Returns check name -> passed."""
     bound = overflow_bound(window_dtype, k.dtype)
     named = {"k": (k, bound), "v": (v, bound)}
     if q is not None:
         named["q"] = (q, math.inf)
     # max |x| is one of x's own values: exact in x's dtype (q, k, v share the cache dtype)
-    peaks = torch.stack([torch.linalg.vector_norm(x, float("inf")) for x, _ in named.values()]).tolist()
-    ok = {name: p < limit for (name, (_, limit)), p in zip(named.items(), peaks)}
+    inf = float("inf")
+    ok = None
+    if bound == math.inf:
+        whole = torch.cat([x.reshape(-1) for x, _ in named.values()])
+        if torch.linalg.vector_norm(whole, inf).item() < math.inf:
+            ok = dict.fromkeys(named, True)
+    if ok is None:  # (or one of them is not finite: which)
+        peaks = torch.stack([torch.linalg.vector_norm(x, inf) for x, _ in named.values()]).tolist()
+        ok = {name: p < limit for (name, (_, limit)), p in zip(named.items(), peaks)}
     if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
         ok["sink_logits"] = torch.amax(sink_logits).item() < math.inf
     return ok

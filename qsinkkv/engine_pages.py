@@ -233,7 +233,8 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
     starting = (read.seq_lens == 0).nonzero().flatten()
     if starting.numel():  # a new sequence's sink page and float ring may hold a former owner's bytes
         read.clear(starting)
-    one_out, multi_out, _ = attend_split(ops, split, read, store, scale=scale, sink_logits=None)
+    # an engine never rolls a step back: nothing is copied aside for an undo
+    one_out, multi_out, _ = attend_split(ops, split, read, store, scale=scale, sink_logits=None, keep_undo=False)
     return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
 
 

@@ -53,6 +53,8 @@ def split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) 
     """Group the rows of a packed step (``[N, heads, D]``, row b at ``[qsl[b], qsl[b+1])``): the one-token rows
     are gathered, the longer ones padded to their longest only (one longer row: a view)."""
     one, multi = _one_and_multi(lens)
+    if one and len(one) == q.shape[0]:  # every token is a one-token row's, in row order (a decode step): no gather
+        return Split(lens, one, q, k, v, multi, None, None, None)
     firsts = [x[qsl[one].to(x.device)] if one else None for x in (q, k, v)]
     if not multi:
         return Split(lens, one, *firsts, multi, None, None, None)
@@ -80,7 +82,8 @@ def take_rows(x: Tensor, rows: list[int]) -> Tensor:
 
 
 def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, scale: float | None,
-                 sink_logits: Tensor | None) -> tuple[Tensor | None, Tensor | None, write.Undo]:
+                 sink_logits: Tensor | None, keep_undo: bool = True) -> tuple[Tensor | None, Tensor | None,
+                                                                             write.Undo | None]:
     """A mixed step, row group by row group: the longer rows prefill over what was stored before (``read``: the
     storage as it stands, and their own chunk in full precision), the step is stored (into ``store``), then the
     one-token rows decode, as each would alone, over what is stored. ``read`` and ``store`` are one storage in a
@@ -89,7 +92,7 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
     the tokens it carries, not B x T_max.
 
     Returns ``([len(one), H, D], [len(multi), H, T_multi, D], the write's undo record)`` (None for an empty
-    group)."""
+    group; no undo record with keep_undo=False)."""
     lens = split.lens
     multi_out = one_out = None
     if split.multi:
@@ -97,15 +100,19 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
                                 torch.tensor(split.multi_lens), scale=scale, sink_logits=sink_logits)
     chunks = [(b, split.k_multi[i:i + 1, :, :lens[b]], split.v_multi[i:i + 1, :, :lens[b]])
               for i, b in enumerate(split.multi)]
-    undo = write.append_rows(store, split.one, split.k_one, split.v_one, chunks, ops.quantizer)
+    undo = write.append_rows(store, split.one, split.k_one, split.v_one, chunks, ops.quantizer, keep_undo)
     if split.one:
-        one_out = ops.decode(split.q_one, store.select_rows(split.one), scale=scale, sink_logits=sink_logits)
+        every_row = len(split.one) == store.batch_size  # (decode reads; it needs no copy of the tables)
+        one_out = ops.decode(split.q_one, store if every_row else store.select_rows(split.one), scale=scale,
+                             sink_logits=sink_logits)
     return one_out, multi_out, undo
 
 
 def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
     """Put the row groups' outputs back at their packed tokens: ``out [N, H, D]``, row b's tokens at
     ``[qsl[b], qsl[b+1])`` (``qsl`` host). Returns ``out``."""
+    if split.one and len(split.one) == out.shape[0]:  # a decode step: row order is token order
+        return out.copy_(one_out)
     if split.one:
         out[qsl[split.one].to(out.device)] = one_out
     if split.multi:

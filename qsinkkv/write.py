@@ -66,20 +66,21 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
 
 
 def append_rows(storage: LayerStorage, ones: list[int], k_one: Tensor, v_one: Tensor,
-                chunks: list[tuple[int, Tensor, Tensor]], quantizer) -> Undo:
+                chunks: list[tuple[int, Tensor, Tensor]], quantizer, keep_undo: bool = True) -> Undo | None:
     """A step given by rows, not padded: the sequences ``ones`` get one token each (``k_one, v_one
     [len(ones), Hkv, D]``, in that order), each ``(b, k, v)`` of ``chunks`` gets ``k, v [1, Hkv, t, D]``
     after its ``seq_lens[b]`` tokens; the other sequences get none. What a packed step (and the ragged
-    part of ``append``) writes, without a ``[B, Hkv, T_max, D]`` chunk.
+    part of ``append``) writes, without a ``[B, Hkv, T_max, D]`` chunk. keep_undo=False (a caller that never
+    rolls back: an engine) copies nothing aside and returns None.
 
     Raises ValueError (storage unchanged) if a block's scale or zero overflows ``scale_dtype``."""
     before = storage.seq_lens.clone()
     plans = [_plan(storage.rows(b), kk, vv, quantizer) for b, kk, vv in chunks]  # may raise: nothing written yet
     # (it quantizes before it writes, so it may raise with nothing written too)
-    saved = _append_one_token(storage, ones, k_one, v_one, quantizer) if ones else []
+    saved = _append_one_token(storage, ones, k_one, v_one, quantizer, keep_undo) if ones else []
     for plan in plans:
-        saved += _commit(plan)
-    return Undo(before, saved)
+        saved += _commit(plan, keep_undo)
+    return Undo(before, saved) if keep_undo else None
 
 
 def undo(storage: LayerStorage, record: Undo) -> None:
@@ -144,7 +145,7 @@ def _plan(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> _Plan:
                  first_block, float_k, float_v, quantized)
 
 
-def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
+def _commit(p: _Plan, keep_undo: bool = True) -> list[tuple[Tensor, tuple, Tensor]]:
     s, layout, cfg = p.storage, p.storage.layout, p.storage.layout.config
     T = p.k.shape[2]
     saved = []
@@ -152,7 +153,7 @@ def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
         slots = torch.arange(p.first_block, p.quantized_after, device=s.device) % layout.quant_slots
         where = (slice(None), s.quant_table[:, slots])                        # pool[where]: [Hkv, B, n, ...]
         # the shorter stream's live blocks may share these slots
-        if p.quantized_before > layout.first_kept_block(p.recent_before):
+        if keep_undo and p.quantized_before > layout.first_kept_block(p.recent_before):
             saved += [_save(getattr(s, name), where) for name in QUANT_TENSORS]
         for name, src in zip(QUANT_TENSORS, p.quantized):
             getattr(s, name)[where] = src.transpose(0, 1)
@@ -163,7 +164,7 @@ def _commit(p: _Plan) -> list[tuple[Tensor, tuple, Tensor]]:
     if p.float_k is not None:
         n = p.float_k.shape[2]
         where = _float_index(s, p.recent_after - n, p.recent_after)
-        if layout.overwrites_live_float(p.recent_after - 1, p.quantized_before):
+        if keep_undo and layout.overwrites_live_float(p.recent_after - 1, p.quantized_before):
             saved += [_save(t, where) for t in (s.float_k, s.float_v)]
         for ring, x in ((s.float_k, p.float_k), (s.float_v, p.float_v)):
             ring[where] = x.transpose(0, 1).to(ring.dtype)
@@ -212,14 +213,15 @@ def _one_token_plan(layout, lengths: tuple[int, ...], rows: tuple[int, ...]) -> 
     return _OneTokenPlan(*columns(sink, 3), *columns(floats, 3), *columns(full, 4), *columns(live, 2))
 
 
-def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer) -> list:
+def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer, keep_undo: bool) -> list:
     """One new token for each sequence in ``rows`` (``k, v [len(rows), Hkv, D]``, in that order), each at
     its own length, written with one indexed write per tensor and kind of row (a pass per sequence would cost
     a pass per sequence); where each goes is ``_one_token_plan``'s, computed once for every layer of a step."""
     layout, cfg = s.layout, s.layout.config
     bs, F, nq = cfg.block_size, layout.float_rows, max(layout.quant_slots, 1)
     dev = s.device
-    p = _one_token_plan(layout, tuple(s.seq_lens[rows].tolist()), tuple(rows))
+    every_row = len(rows) == s.batch_size  # (rows are distinct and in order: then 0 .. B-1)
+    p = _one_token_plan(layout, tuple((s.seq_lens if every_row else s.seq_lens[rows]).tolist()), tuple(rows))
     on = lambda x: x.to(dev)  # noqa: E731
     quantized = None
     if p.full_at.numel():  # read and quantize before writing anything: the new token may share a ring row
@@ -237,13 +239,14 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
                      + quantizer.quantize_values(blocks[1].unsqueeze(2), cfg.bits, cfg.value_group_size,
                                                  cfg.scale_dtype))
     saved = []  # what the shorter stream reads and this step overwrites: a completing block's slot, live rows
-    if p.live_rows.numel():
+    if keep_undo and p.live_rows.numel():
         row = on(p.live_row)
         where_f = (slice(None), s.float_table[on(p.live_rows), row // bs], row % bs)
         saved += [_save(t, where_f) for t in (s.float_k, s.float_v)]
     if quantized is not None:
         where_q = (slice(None), s.quant_table[fr, blk % nq])                            # pool[where_q]: [Hkv, n, ...]
-        saved += [_save(getattr(s, name), where_q) for name in QUANT_TENSORS]
+        if keep_undo:
+            saved += [_save(getattr(s, name), where_q) for name in QUANT_TENSORS]
         for name, src in zip(QUANT_TENSORS, quantized):
             getattr(s, name)[where_q] = src.squeeze(2).transpose(0, 1)
     if p.sink_at.numel():
@@ -256,7 +259,10 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
         at = p.float_at.to(k.device)
         s.float_k[where] = (k if len(at) == k.shape[0] else k[at]).transpose(0, 1).to(cfg.window_dtype)
         s.float_v[where] = (v if len(at) == v.shape[0] else v[at]).transpose(0, 1).to(cfg.window_dtype)
-    s.seq_lens[rows] += 1
+    if every_row:
+        s.seq_lens += 1
+    else:
+        s.seq_lens[rows] += 1
     return saved
 
 

@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -50,7 +50,13 @@ static inline void load(const void *p, int dt, int64_t i, int n, float *restrict
     } else if (dt == BF16) {
         const uint16_t *src = (const uint16_t *)p + i;
         uint32_t *dst = (uint32_t *)out;
-        for (int d = 0; d < n; d++) dst[d] = (uint32_t)src[d] << 16;
+        int d = 0;
+#ifdef __AVX2__
+        for (; d + 8 <= n; d += 8)
+            _mm256_storeu_si256((__m256i *)(dst + d),
+                                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + d))), 16));
+#endif
+        for (; d < n; d++) dst[d] = (uint32_t)src[d] << 16;
     } else {
         const uint16_t *src = (const uint16_t *)p + i;
         int d = 0;
@@ -175,10 +181,48 @@ static inline int64_t seen_rows(const float *bias, int64_t n, int64_t *restrict 
     return count;
 }
 
-/* sc[g * Ns + idx[i]] = qx[g] . rows[i] (+ qz[g]) for the n packed rows (Dp floats apart) */
+#ifdef __AVX__
+/* lane j: the sum of a[j]'s lanes (eight rows' dot products reduced together: a fraction of eight hsums) */
+static inline v8 hsum8(const vr *a) {
+    __m256 f[8];
+    for (int j = 0; j < 8; j++) {
+#if LANES == 16
+        v8 lo, hi;
+        memcpy(&lo, &a[j], 32);
+        memcpy(&hi, (const char *)&a[j] + 32, 32);
+        f[j] = (__m256)(lo + hi);
+#else
+        f[j] = (__m256)a[j];
+#endif
+    }
+    /* hadd pairs within 128-bit halves: u0 = [sums of f0..f3 over lanes 0-3 | over lanes 4-7], u1 for f4..f7 */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(f[4], f[5]), _mm256_hadd_ps(f[6], f[7]));
+    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+/* sc[g * Ns + idx[i]] = qx[g] . rows[i] (+ qz[g]) for the n packed rows (Dp floats apart): eight rows at a time
+ * where the machine has AVX (their sums reduced together), the rest one by one. Which rows go which way depends
+ * on n alone, so a sequence's scores do not depend on its batch */
 static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t Dp, float (*qx)[MAX_D],
                               const float *qz, float *sc, int64_t Ns, const int64_t *idx, int64_t Vn) {
-    for (int64_t i = 0; i < n; i++)
+    int64_t i = 0;
+#ifdef __AVX__
+    for (; i + 8 <= n; i += 8)
+        for (int64_t g = 0; g < ng; g++) {
+            vr p[8];
+            for (int j = 0; j < 8; j++) {
+                const float *row = rows + (i + j) * Dp;
+                vr s = {0};
+                for (int64_t v = 0; v < Vn; v++) s += VR(qx[g])[v] * VR(row)[v];
+                p[j] = s;
+            }
+            const v8 s8 = hsum8(p);
+            for (int j = 0; j < 8; j++) sc[g * Ns + idx[i + j]] = qz ? s8[j] + qz[g] : s8[j];
+        }
+#endif
+    for (; i < n; i++)
         for (int64_t g = 0; g < ng; g++) {
             const float s = dot(qx[g], rows + i * Dp, Vn);
             sc[g * Ns + idx[i]] = qz ? s + qz[g] : s;

@@ -434,3 +434,82 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
 }
 
 int64_t qsinkkv_args_size(void) { return (int64_t)sizeof(Args); }
+
+/* ---- the one-token write (write.store_rows's C version): new K and V rows into their pools' blocks ---- */
+
+/* f32 -> f16, rounded to nearest even (the FP16 library's fp16_ieee_from_fp32_value, what torch's .to() gives) */
+static uint16_t float_to_half(float f) {
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    const float to_inf = 0x1.0p+112f, to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * to_inf) * to_zero, bias_f;
+    uint32_t w, bias, bits;
+    memcpy(&w, &f, 4);
+    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    bias = (bias >> 1) + 0x07800000u;
+    memcpy(&bias_f, &bias, 4);
+    base = bias_f + base;
+    memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}
+
+/* f32 -> bf16, rounded to nearest even (c10::BFloat16's rule; NaN -> 0x7FC0) */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n values at p (dtype dt) -> the same n values at out (dtype odt), through float32: exact into float32, rounded
+ * to nearest even into bf16 / fp16, as torch's .to() converts */
+static void convert(const void *p, int dt, int64_t n, void *restrict out, int odt) {
+    float ALIGN tmp[MAX_D];
+    if (dt == odt) {
+        memcpy(out, p, (size_t)n * (dt == F32 ? 4 : 2));
+        return;
+    }
+    float *f = odt == F32 ? (float *)out : tmp;
+    load(p, dt, 0, (int)n, f);
+    if (odt == BF16)
+        for (int64_t d = 0; d < n; d++) ((uint16_t *)out)[d] = float_to_bf16(f[d]);
+    else if (odt == F16)
+        for (int64_t d = 0; d < n; d++) ((uint16_t *)out)[d] = float_to_half(f[d]);
+}
+
+typedef struct {
+    int64_t n, H, D;             /* tokens written, KV heads, head_dim */
+    const void *x_k, *x_v;       /* [tokens, H, D] of x_dtype, contiguous */
+    int64_t x_dtype;
+    void *pool_k, *pool_v;       /* [H, blocks, rows_per_block, D] of pool_dtype, each block's rows D apart */
+    int64_t pool_dtype, head_stride, block_stride, rows_per_block;  /* strides in elements (the two pools alike) */
+    const int64_t *table;        /* table[seq * table_st0 + (r / rows_per_block) * table_st1]: the block */
+    int64_t table_st0, table_st1;
+    const int64_t *at, *seqs, *ring_rows;  /* [n]: token i is x[at[i]], goes to row ring_rows[i] of sequence seqs[i] */
+} Store;
+
+/* Returns 0, or -1 when head_dim is beyond the fixed arrays. */
+int qsinkkv_store_rows(const Store *s) {
+    if (s->D > MAX_D || s->D < 1) return -1;
+    const int64_t xe = s->x_dtype == F32 ? 4 : 2, pe = s->pool_dtype == F32 ? 4 : 2;
+    for (int64_t i = 0; i < s->n; i++) {
+        const int64_t r = s->ring_rows[i], rpb = s->rows_per_block;
+        const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (r / rpb) * s->table_st1];
+        for (int64_t h = 0; h < s->H; h++) {
+            const int64_t src = (s->at[i] * s->H + h) * s->D, dst = h * s->head_stride + blk * s->block_stride
+                                                                     + (r % rpb) * s->D;
+            convert((const char *)s->x_k + src * xe, (int)s->x_dtype, s->D, (char *)s->pool_k + dst * pe,
+                    (int)s->pool_dtype);
+            convert((const char *)s->x_v + src * xe, (int)s->x_dtype, s->D, (char *)s->pool_v + dst * pe,
+                    (int)s->pool_dtype);
+        }
+    }
+    return 0;
+}
+
+int64_t qsinkkv_store_size(void) { return (int64_t)sizeof(Store); }

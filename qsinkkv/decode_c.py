@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from . import write
 from .models import cache_dir
 from .storage import LayerStorage
 
@@ -46,6 +47,15 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("sink_table", "float_table", "quant_table", "q", "bias",
                                                   "sink_logits")]
                 + [("scale", ctypes.c_float), ("out", ctypes.c_void_p), ("st", ctypes.c_int64 * 2 * 10)])
+
+class _Store(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("n", "H", "D")]
+                + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")] + [("x_dtype", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("pool_k", "pool_v")]
+                + [(n, ctypes.c_int64) for n in ("pool_dtype", "head_stride", "block_stride", "rows_per_block")]
+                + [("table", ctypes.c_void_p), ("table_st0", ctypes.c_int64), ("table_st1", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("at", "seqs", "ring_rows")])
+
 
 # the pools in the order of the C struct's pointers (and of its strides `st`)
 _POOLS = ("sink_k", "sink_v", "float_k", "float_v", "key_scale", "key_zero", "value_scale", "value_zero",
@@ -127,9 +137,11 @@ def _open(lib: Path) -> ctypes.CDLL:
     dll = ctypes.CDLL(str(lib))
     dll.qsinkkv_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64]
     dll.qsinkkv_decode.restype = ctypes.c_int
-    dll.qsinkkv_args_size.restype = ctypes.c_int64
-    if dll.qsinkkv_args_size() != ctypes.sizeof(_Args):
-        raise _StaleLibrary(f"{lib}: decode_c.c's Args and decode_c.py's _Args disagree")
+    dll.qsinkkv_store_rows.argtypes = [ctypes.POINTER(_Store)]
+    dll.qsinkkv_store_rows.restype = ctypes.c_int
+    dll.qsinkkv_args_size.restype = dll.qsinkkv_store_size.restype = ctypes.c_int64
+    if dll.qsinkkv_args_size() != ctypes.sizeof(_Args) or dll.qsinkkv_store_size() != ctypes.sizeof(_Store):
+        raise _StaleLibrary(f"{lib}: decode_c.c's structs and decode_c.py's disagree")
     return dll
 
 
@@ -251,3 +263,26 @@ def _contiguous(t: Tensor, keep: list) -> Tensor:
         t = t.contiguous()
         keep.append(t)
     return t
+
+
+def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
+                 ring_rows: Tensor, rows_per_block: int) -> None:
+    """``write.store_rows`` in one C call (the one-token write of a decode step: a few rows per layer, where
+    PyTorch's indexed writes cost more than the bytes), the same bits: the casts round as torch's ``.to()`` does.
+    Takes the PyTorch path where the C one does not apply (tensors off the CPU, a pool whose blocks' rows are
+    not ``D`` apart)."""
+    n, (H, D) = at.shape[0], k.shape[1:]
+    rows_apart = (pool_k.stride(3), pool_k.stride(2)) == (1, D) and pool_k.stride() == pool_v.stride()
+    on_cpu = all(t.device.type == "cpu" for t in (pool_k, pool_v, table, k, v))
+    if _lib is None or not on_cpu or not rows_apart or pool_k.dtype != pool_v.dtype or k.dtype != v.dtype:
+        return write.store_rows(pool_k, pool_v, table, k, v, at, seqs, ring_rows, rows_per_block)
+    k, v = k.contiguous(), v.contiguous()
+    index = [t.contiguous() for t in (at, seqs, ring_rows)]  # (host int64 tensors: the plan's)
+    table2 = table if table.dim() == 2 else table.unsqueeze(1)
+    s = _Store(n=n, H=H, D=D, x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
+               pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(), pool_dtype=_DTYPES[pool_k.dtype],
+               head_stride=pool_k.stride(0), block_stride=pool_k.stride(1), rows_per_block=rows_per_block,
+               table=table2.data_ptr(), table_st0=table2.stride(0), table_st1=table2.stride(1),
+               at=index[0].data_ptr(), seqs=index[1].data_ptr(), ring_rows=index[2].data_ptr())
+    if _lib.qsinkkv_store_rows(ctypes.byref(s)):
+        raise RuntimeError(f"the C one-token write failed (head_dim {D} > {MAX_HEAD_DIM})")

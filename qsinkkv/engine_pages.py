@@ -205,18 +205,25 @@ def step_tables(layout: WindowLayout, block_table: Tensor, held: Tensor, lens: T
     return sink_table, quant_read, quant_store
 
 
+def ring_table(layout: WindowLayout, rings: Tensor) -> Tensor:
+    """``[B, float_slots]``: the float-pool blocks of each row's ring (``rings [B]``, ``FloatRings.rings``), the
+    ``float_table`` of a step's records."""
+    nf = layout.float_slots
+    return rings.unsqueeze(1) * nf + torch.arange(nf)
+
+
 def storages(page_pools: dict[str, Tensor], float_k: Tensor, float_v: Tensor, layout: WindowLayout,
-             tables: tuple[Tensor, Tensor, Tensor], rings: Tensor, held: Tensor) -> tuple[LayerStorage, LayerStorage]:
+             tables: tuple[Tensor, Tensor, Tensor], float_table: Tensor, held: Tensor
+             ) -> tuple[LayerStorage, LayerStorage]:
     """The ``(read, store)`` records of one layer for a step: the page pools (``PageLayout.views``), the float
-    pools ``float_k, float_v [Hkv, rings * float_slots, bs, D]`` and the step's tables; one ``seq_lens`` (a
-    copy of ``held``), which the write advances."""
+    pools ``float_k, float_v [Hkv, rings * float_slots, bs, D]``, the step's tables (``step_tables``, and
+    ``ring_table`` for the float pools: computed once per step, for every layer); one ``seq_lens`` (a copy of
+    ``held``), which the write advances."""
     sink_table, quant_read, quant_store = tables
     device = float_k.device
-    nf = layout.float_slots
-    float_table = (rings.unsqueeze(1) * nf + torch.arange(nf)).to(device)
     read = LayerStorage(layout, **page_pools, float_k=float_k, float_v=float_v,
-                        sink_table=sink_table.to(device), float_table=float_table, quant_table=quant_read.to(device),
-                        seq_lens=held.clone(), dense=False)
+                        sink_table=sink_table.to(device), float_table=float_table.to(device),
+                        quant_table=quant_read.to(device), seq_lens=held.clone(), dense=False)
     return read, replace(read, quant_table=quant_store.to(device))
 
 

@@ -10,6 +10,7 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
   write              write.append (uses the chosen quantizer)    -
+  one-token rows     write.store_rows                            decode_c.store_rows_c (CPU, C; the same bits)
 
 Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
 -> cache -> integrations/eval.
@@ -24,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from . import decode_c, quant
+from . import decode_c, quant, write
 from .decode import decode_attention_reference, decode_attention_torch
 from .prefill import prefill_attention_reference, prefill_attention_torch
 from .rope import Rotary
@@ -43,6 +44,7 @@ class Ops:
     quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
+    store_rows: Callable = write.store_rows  # the one-token write's rows (pool_k, pool_v, table, k, v, at, seqs, ...)
 
 
 def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None,
@@ -56,7 +58,7 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     backend = resolve_backend(backend, device, head_dim, rotary)
     check_decode_variant(decode_variant, backend, rotary)
     if backend == "c":
-        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch)
+        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.store_rows_c)
     if backend == "triton":
         from . import kernels
         return Ops("triton", kernels,

@@ -66,18 +66,20 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
 
 
 def append_rows(storage: LayerStorage, ones: list[int], k_one: Tensor, v_one: Tensor,
-                chunks: list[tuple[int, Tensor, Tensor]], quantizer, keep_undo: bool = True) -> Undo | None:
+                chunks: list[tuple[int, Tensor, Tensor]], quantizer, keep_undo: bool = True,
+                store=None) -> Undo | None:
     """A step given by rows, not padded: the sequences ``ones`` get one token each (``k_one, v_one
     [len(ones), Hkv, D]``, in that order), each ``(b, k, v)`` of ``chunks`` gets ``k, v [1, Hkv, t, D]``
     after its ``seq_lens[b]`` tokens; the other sequences get none. What a packed step (and the ragged
     part of ``append``) writes, without a ``[B, Hkv, T_max, D]`` chunk. keep_undo=False (a caller that never
-    rolls back: an engine) copies nothing aside and returns None.
+    rolls back: an engine) copies nothing aside and returns None. store: how the one-token rows are stored
+    (``store_rows``, the default, or ``decode_c.store_rows_c``: the same bits).
 
     Raises ValueError (storage unchanged) if a block's scale or zero overflows ``scale_dtype``."""
     before = storage.seq_lens.clone()
     plans = [_plan(storage.rows(b), kk, vv, quantizer) for b, kk, vv in chunks]  # may raise: nothing written yet
     # (it quantizes before it writes, so it may raise with nothing written too)
-    saved = _append_one_token(storage, ones, k_one, v_one, quantizer, keep_undo) if ones else []
+    saved = _append_one_token(storage, ones, k_one, v_one, quantizer, keep_undo, store or store_rows) if ones else []
     for plan in plans:
         saved += _commit(plan, keep_undo)
     return Undo(before, saved) if keep_undo else None
@@ -213,7 +215,8 @@ def _one_token_plan(layout, lengths: tuple[int, ...], rows: tuple[int, ...]) -> 
     return _OneTokenPlan(*columns(sink, 3), *columns(floats, 3), *columns(full, 4), *columns(live, 2))
 
 
-def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer, keep_undo: bool) -> list:
+def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer, keep_undo: bool,
+                      store) -> list:
     """One new token for each sequence in ``rows`` (``k, v [len(rows), Hkv, D]``, in that order), each at
     its own length, written with one indexed write per tensor and kind of row (a pass per sequence would cost
     a pass per sequence); where each goes is ``_one_token_plan``'s, computed once for every layer of a step."""
@@ -249,21 +252,30 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
             saved += [_save(getattr(s, name), where_q) for name in QUANT_TENSORS]
         for name, src in zip(QUANT_TENSORS, quantized):
             getattr(s, name)[where_q] = src.squeeze(2).transpose(0, 1)
-    if p.sink_at.numel():
-        where = (slice(None), s.sink_table[on(p.sink_rows)], on(p.sink_pos))
-        s.sink_k[where] = k[p.sink_at.to(k.device)].transpose(0, 1).to(cfg.sink_dtype)
-        s.sink_v[where] = v[p.sink_at.to(v.device)].transpose(0, 1).to(cfg.sink_dtype)
+    if p.sink_at.numel():  # (a sink page is one block of sink_tokens rows)
+        store(s.sink_k, s.sink_v, s.sink_table.unsqueeze(1), k, v, p.sink_at, p.sink_rows, p.sink_pos,
+                   cfg.sink_tokens)
     if p.float_at.numel():
-        row = on(p.float_row)
-        where = (slice(None), s.float_table[on(p.float_rows), row // bs], row % bs)
-        at = p.float_at.to(k.device)
-        s.float_k[where] = (k if len(at) == k.shape[0] else k[at]).transpose(0, 1).to(cfg.window_dtype)
-        s.float_v[where] = (v if len(at) == v.shape[0] else v[at]).transpose(0, 1).to(cfg.window_dtype)
+        store(s.float_k, s.float_v, s.float_table, k, v, p.float_at, p.float_rows, p.float_row, bs)
     if every_row:
         s.seq_lens += 1
     else:
         s.seq_lens[rows] += 1
     return saved
+
+
+def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
+               ring_rows: Tensor, rows_per_block: int) -> None:
+    """Token ``at[i]`` of ``k, v [n, Hkv, D]`` into row ``ring_rows[i] % rows_per_block`` of block
+    ``table[seqs[i], ring_rows[i] // rows_per_block]`` of ``pool_k, pool_v [Hkv, blocks, rows_per_block, D]``, cast
+    to the pools' dtype (``table [B, slots]``; ``at``, ``seqs``, ``ring_rows`` host int64 ``[n]``, ``at``
+    increasing: all of ``k`` when as long). The one-token write's reference; ``decode_c.store_rows_c`` is its C
+    version."""
+    dev = pool_k.device
+    rows = ring_rows.to(dev)
+    where = (slice(None), table[seqs.to(dev), rows // rows_per_block], rows % rows_per_block)
+    for pool, x in ((pool_k, k), (pool_v, v)):
+        pool[where] = (x if len(at) == x.shape[0] else x[at.to(x.device)]).transpose(0, 1).to(pool.dtype)
 
 
 def _stays_float(layout, n: int) -> bool:

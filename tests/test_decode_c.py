@@ -86,6 +86,53 @@ def test_every_row_shape_matches_the_reference(bits, head_dim, group, heads):
         assert torch.equal(decode_c.decode_attention_c(q[b:b + 1], layer.rows(b), scale=0.3), out[b:b + 1])
 
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("pool_dtype", DTYPES)
+@pytest.mark.parametrize("x_dtype", DTYPES)
+def test_store_rows_c_writes_the_bits_of_the_reference(x_dtype, pool_dtype):
+    """The one-token write in C against ``write.store_rows`` (PyTorch's indexed write and ``.to()``), bitwise, for
+    every dtype pair: values at rounding ties, fp16 subnormals and overflow, bf16's and fp16's ends, inf (and
+    NaN, as NaN);
+    pools whose blocks are far apart (an engine's pages) and a table that is a column view."""
+    from qsinkkv import write
+    g = torch.Generator().manual_seed(len(str(x_dtype)) * 7 + len(str(pool_dtype)))
+    H, Dh, rpb, blocks, B = 3, 24, 5, 20, 6
+    special = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 3e-8, 6e-5, 65504.0, 65520.0,
+                            7e4, 3.3895e38, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, 2.5])
+    k, v = (torch.randn(B + 2, H, Dh, generator=g) * 10 for _ in range(2))
+    k.view(-1)[:16], v.view(-1)[-16:] = special, special.flip(0)
+    k, v = k.to(x_dtype), v.to(x_dtype)
+    at = torch.tensor([0, 2, 3, 5, 7], dtype=torch.long)
+    seqs = torch.tensor([4, 0, 5, 1, 2], dtype=torch.long)
+    ring_rows = torch.tensor([0, 7, 14, 3, 9], dtype=torch.long)
+    table = torch.randperm(blocks, generator=g)[:B * 3].view(B, 3)
+    # the pools as an engine's pages: the K and V regions of each block inside a bigger row, which holds other bytes
+    pages = torch.randn(H, blocks, 3 * rpb * Dh + 40, generator=g).to(pool_dtype)
+    outs = []
+    for store in (write.store_rows, decode_c.store_rows_c):
+        out = pages.clone()
+        pk = out[:, :, :rpb * Dh].unflatten(-1, (rpb, Dh))
+        pv = out[:, :, rpb * Dh + 8:2 * rpb * Dh + 8].unflatten(-1, (rpb, Dh))
+        store(pk, pv, table.t().contiguous().t(), k, v, at, seqs, ring_rows, rpb)  # (a column-major table)
+        outs.append(out)
+    bits = torch.int32 if pool_dtype == torch.float32 else torch.int16
+    # (NaN: any NaN; PyTorch's own casts give 0x7FC0 or 0xFFFF for a bf16 NaN, by path. None is ever stored)
+    same = (outs[0].view(bits) == outs[1].view(bits)) | (outs[0].isnan() & outs[1].isnan())
+    assert bool(same.all()), f"{int((~same).sum())} elements differ"
+    assert not torch.equal(outs[0].view(bits), pages.view(bits))
+    # the sinks' form: a [B] table, one block of rows_per_block rows per sequence
+    sink_k, sink_v = (torch.zeros(H, blocks, rpb, Dh, dtype=pool_dtype) for _ in range(2))
+    results = []
+    for store in (write.store_rows, decode_c.store_rows_c):
+        sink_k.zero_(), sink_v.zero_()
+        store(sink_k, sink_v, table[:, 1].unsqueeze(1), k, v, at, seqs, ring_rows % rpb, rpb)
+        results.append((sink_k.clone(), sink_v.clone()))
+    for a_, b_ in zip(*results):
+        assert bool(((a_.view(bits) == b_.view(bits)) | (a_.isnan() & b_.isnan())).all())
+
+
 def test_threads_do_not_change_the_bits(monkeypatch):
     """The (KV head, sequence) units split over threads: each unit's arithmetic is the same."""
     monkeypatch.setattr(decode_c, "THREAD_WORK", 1)  # threads for any work

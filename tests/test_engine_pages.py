@@ -15,6 +15,7 @@ from qsinkkv.engine_pages import (
     first_page,
     max_pages,
     pages_needed,
+    ring_table,
     step_tables,
     storages,
 )
@@ -130,7 +131,7 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled):
         width = max(len(engine.tables[s]) for s in seqs) + 2
         tables = step_tables(layout, engine.block_table(seqs, width), before, lens)
         ring = rings.rings(tables[0], before)
-        read, store = storages(pools, float_k, float_v, layout, tables, ring, before)
+        read, store = storages(pools, float_k, float_v, layout, tables, ring_table(layout, ring), before)
         out = attend_packed(ops, read, store, q, k, v, qsl)
         # the same K/V through PagedCache: every admitted row, in its own order (0 tokens: it waits)
         rows = ref.seq_ids
@@ -211,7 +212,8 @@ def test_refused_step_changes_no_page_ring_or_length():
         k, v = torch.randn(17, Hkv, D, generator=g), torch.randn(17, Hkv, D, generator=g)
         {"k": k, "v": v, "q": q}[bad][9, 0, 1] = float("nan")
         tables = step_tables(layout, table, held, lens)
-        read, store = storages(pools, float_k, float_v, layout, tables, rings.rings(tables[0], held), held)
+        float_table = ring_table(layout, rings.rings(tables[0], held))
+        read, store = storages(pools, float_k, float_v, layout, tables, float_table, held)
         before = (buf.clone(), float_k.clone(), float_v.clone(), store.seq_lens.clone())
         with pytest.raises(ValueError, match=bad):
             attend_packed(ops, read, store, q, k, v, qsl)

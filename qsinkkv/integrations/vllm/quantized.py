@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...config import CacheConfig
-from ...engine_pages import PageLayout, attend_packed, step_tables, storages
+from ...engine_pages import PageLayout, attend_packed, ring_table, step_tables, storages
 from ...layout import WindowLayout
 from ...ops import select_ops
 from . import state
@@ -46,7 +46,7 @@ class QuantMetadata:
     query_start_loc: Tensor      # [B + 1] host int64
     held: Tensor                 # [B] host int64: tokens each request held before this step
     tables: tuple                # engine_pages.step_tables: sink_table [B], quant_read, quant_store [B, nq]
-    rings: Tensor                # [B] host int64: each request's float ring
+    float_table: Tensor          # [B, float_slots] host int64: each request's float ring (engine_pages.ring_table)
 
 
 class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
@@ -66,7 +66,8 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         lens = qsl[1:] - qsl[:-1]
         held = m.seq_lens[:B].cpu().long() - lens
         tables = step_tables(self.layout, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
-        return QuantMetadata(self.layout, m.num_actual_tokens, qsl, held, tables, self.rings.rings(tables[0], held))
+        rings = self.rings.rings(tables[0], held)
+        return QuantMetadata(self.layout, m.num_actual_tokens, qsl, held, tables, ring_table(self.layout, rings))
 
 
 class QuantImpl(AttentionImpl):
@@ -101,7 +102,7 @@ class QuantImpl(AttentionImpl):
             return output
         md = attn_metadata
         n = md.num_actual_tokens
-        read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, md.layout, md.tables, md.rings,
+        read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, md.layout, md.tables, md.float_table,
                                md.held)
         H, D = self.num_heads, self.head_size
         out = attend_packed(self.ops, read, store, query[:n].view(n, H, D), key[:n], value[:n], md.query_start_loc,

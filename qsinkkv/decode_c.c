@@ -513,3 +513,137 @@ int qsinkkv_store_rows(const Store *s) {
 }
 
 int64_t qsinkkv_store_size(void) { return (int64_t)sizeof(Store); }
+
+/* ---- blocks that complete in a decode step (write.complete_blocks's C version): quantized once, to their pages ---- */
+
+static inline float round_to(float x, int dt) {  /* x as stored in dtype dt, back in float32 */
+    float out;
+    uint16_t h;
+    if (dt == F32) return x;
+    h = dt == BF16 ? float_to_bf16(x) : float_to_half(x);
+    load(&h, dt, 0, 1, &out);
+    return out;
+}
+
+static inline void store_scalar(void *p, int dt, int64_t i, float x) {
+    if (dt == F32) ((float *)p)[i] = x;
+    else ((uint16_t *)p)[i] = dt == BF16 ? float_to_bf16(x) : float_to_half(x);
+}
+
+/* One group of n values x[i * step] (float32, as stored in the window dtype) -> its stored scale and zero and
+ * its codes, by quant.py's rule: scale = ((max - min) / qmax) and zero = min rounded to the scale dtype; code =
+ * floor((x - zero) / scale + 0.5) clamped (scale 0: 1), from the stored values. Returns 0, or -1 if the stored
+ * scale or zero is not finite. */
+static int quantize_group(const float *x, int64_t n, int64_t step, int qmax, int sdt, float *scale, float *zero,
+                          uint8_t *codes) {
+    float lo = x[0], hi = x[0];
+    for (int64_t i = 1; i < n; i++) {
+        const float v = x[i * step];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    const float s = round_to((hi - lo) / (float)qmax, sdt), z = round_to(lo, sdt);
+    if (!isfinite(s) || !isfinite(z)) return -1;
+    const float div = s == 0.0f ? 1.0f : s;
+    for (int64_t i = 0; i < n; i++) {
+        float q = floorf((x[i * step] - z) / div + 0.5f);
+        q = q < 0.0f ? 0.0f : q > (float)qmax ? (float)qmax : q;
+        codes[i * step] = (uint8_t)q;
+    }
+    *scale = s;
+    *zero = z;
+    return 0;
+}
+
+typedef struct {
+    int64_t n;                   /* blocks completing */
+    const void *x_k, *x_v;       /* [tokens, Hkv, D] of x_dtype, contiguous: the step's new tokens */
+    int64_t x_dtype;
+    const int64_t *at, *seqs, *blocks, *new_recent;  /* [n]: token x[at[i]] of sequence seqs[i] completes its
+                                                      * recent block blocks[i] as recent index new_recent[i] */
+    int64_t float_rows;          /* the float ring's rows (0: none; the block is the new token alone) */
+} Complete;
+
+/* Gather each completing block (its older rows from the float ring, the new token cast to the window dtype),
+ * quantize keys per channel and values per token and channel group, then write codes and scales to the block's
+ * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written: returns -3 (and
+ * writes nothing) when a scale or zero overflows the scale dtype; -1 for sizes beyond the fixed arrays; -2 out
+ * of memory; else 0. */
+int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
+    const int64_t H = a->Hkv, D = a->D, bs = a->bs, F = c->float_rows, nf = a->float_slots, nq = a->quant_slots;
+    const int64_t K = a->groups, gsz = K ? D / K : D, Dc = a->bits == 4 ? D / 2 : D, xe = c->x_dtype == F32 ? 4 : 2;
+    const int64_t we = a->window_dtype == F32 ? 4 : 2, se = a->scale_dtype == F32 ? 4 : 2;
+    const int qmax = (1 << a->bits) - 1, sdt = (int)a->scale_dtype;
+    if (D > MAX_D || D < 1 || K < 1 || nq < 1) return -1;
+    const int64_t per = H * bs * D;  /* one block, all heads: [H, bs, D] */
+    float *x = malloc((size_t)(2 * per) * sizeof(float));
+    uint8_t *codes = malloc((size_t)(c->n * 2 * per));
+    float *ks = malloc((size_t)(c->n * H * D * 2) * sizeof(float));       /* key scale, zero [n, H, D] */
+    float *vsz = malloc((size_t)(c->n * H * bs * K * 2) * sizeof(float));  /* value scale, zero [n, H, bs, K] */
+    int code = x && codes && ks && vsz ? 0 : -2;
+    for (int64_t i = 0; i < c->n && !code; i++) {
+        const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->new_recent[i] - blk * bs;
+        for (int kv = 0; kv < 2; kv++) {  /* gather: [H, bs, D] float32 of the window dtype's values */
+            const void *pool = kv ? a->float_v : a->float_k;
+            const void *src = kv ? c->x_v : c->x_k;
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t t = 0; t < bs; t++) {
+                    float *row = x + kv * per + (h * bs + t) * D;
+                    if (t == fresh || !F) {
+                        load((const char *)src + (c->at[i] * H + h) * D * xe, (int)c->x_dtype, 0, (int)D, row);
+                        if (c->x_dtype != a->window_dtype)
+                            for (int64_t d = 0; d < D; d++) row[d] = round_to(row[d], (int)a->window_dtype);
+                    } else {
+                        const int64_t ring = (blk * bs + t) % F, fblk = a->float_table[b * nf + ring / bs];
+                        const int64_t at = h * a->st[kv ? FLOAT_V : FLOAT_K][0] + fblk * a->st[kv ? FLOAT_V : FLOAT_K][1]
+                                           + (ring % bs) * D;
+                        load((const char *)pool + at * we, (int)a->window_dtype, 0, (int)D, row);
+                    }
+                }
+        }
+        uint8_t *kc = codes + i * 2 * per, *vc = kc + per;
+        float *kscale = ks + i * H * D * 2, *kzero = kscale + H * D;
+        float *vscale = vsz + i * H * bs * K * 2, *vzero = vscale + H * bs * K;
+        for (int64_t h = 0; h < H && !code; h++) {
+            for (int64_t d = 0; d < D && !code; d++)  /* keys: per channel over the block's tokens */
+                code = quantize_group(x + h * bs * D + d, bs, D, qmax, sdt, kscale + h * D + d, kzero + h * D + d,
+                                      kc + h * bs * D + d) ? -3 : 0;
+            for (int64_t t = 0; t < bs && !code; t++)  /* values: per token over each group of channels */
+                for (int64_t g = 0; g < K && !code; g++)
+                    code = quantize_group(x + per + (h * bs + t) * D + g * gsz, gsz, 1, qmax, sdt,
+                                          vscale + (h * bs + t) * K + g, vzero + (h * bs + t) * K + g,
+                                          vc + (h * bs + t) * D + g * gsz) ? -3 : 0;
+        }
+    }
+    for (int64_t i = 0; i < c->n && !code; i++) {  /* every block quantized: write them */
+        const int64_t page = a->quant_table[c->seqs[i] * nq + c->blocks[i] % nq];
+        const uint8_t *kc = codes + i * 2 * per, *vc = kc + per;
+        const float *kscale = ks + i * H * D * 2, *kzero = kscale + H * D;
+        const float *vscale = vsz + i * H * bs * K * 2, *vzero = vscale + H * bs * K;
+        for (int64_t h = 0; h < H; h++) {
+            for (int kv = 0; kv < 2; kv++) {  /* codes, packed: int4 byte j = channel j | channel j + D/2 << 4 */
+                uint8_t *dst = (uint8_t *)(kv ? a->value_codes : a->key_codes) + AT(kv ? VALUE_CODES : KEY_CODES, h, page);
+                const uint8_t *src = (kv ? vc : kc) + h * bs * D;
+                for (int64_t t = 0; t < bs; t++)
+                    for (int64_t j = 0; j < Dc; j++)
+                        dst[t * Dc + j] = a->bits == 4 ? (uint8_t)(src[t * D + j] | src[t * D + j + D / 2] << 4)
+                                                       : src[t * D + j];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                store_scalar((char *)a->key_scale + AT(KEY_SCALE, h, page) * se, sdt, d, kscale[h * D + d]);
+                store_scalar((char *)a->key_zero + AT(KEY_ZERO, h, page) * se, sdt, d, kzero[h * D + d]);
+            }
+            for (int64_t e = 0; e < bs * K; e++) {
+                store_scalar((char *)a->value_scale + AT(VALUE_SCALE, h, page) * se, sdt, e, vscale[h * bs * K + e]);
+                store_scalar((char *)a->value_zero + AT(VALUE_ZERO, h, page) * se, sdt, e, vzero[h * bs * K + e]);
+            }
+        }
+    }
+    free(x);
+    free(codes);
+    free(ks);
+    free(vsz);
+    return code;
+}
+
+int64_t qsinkkv_complete_size(void) { return (int64_t)sizeof(Complete); }

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import write
+from . import quant, write
 from .models import cache_dir
 from .storage import LayerStorage
 
@@ -47,6 +47,12 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("sink_table", "float_table", "quant_table", "q", "bias",
                                                   "sink_logits")]
                 + [("scale", ctypes.c_float), ("out", ctypes.c_void_p), ("st", ctypes.c_int64 * 2 * 10)])
+
+class _Complete(ctypes.Structure):
+    _fields_ = ([("n", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")]
+                + [("x_dtype", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("at", "seqs", "blocks", "new_recent")]
+                + [("float_rows", ctypes.c_int64)])
+
 
 class _Store(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("n", "H", "D")]
@@ -139,8 +145,12 @@ def _open(lib: Path) -> ctypes.CDLL:
     dll.qsinkkv_decode.restype = ctypes.c_int
     dll.qsinkkv_store_rows.argtypes = [ctypes.POINTER(_Store)]
     dll.qsinkkv_store_rows.restype = ctypes.c_int
-    dll.qsinkkv_args_size.restype = dll.qsinkkv_store_size.restype = ctypes.c_int64
-    if dll.qsinkkv_args_size() != ctypes.sizeof(_Args) or dll.qsinkkv_store_size() != ctypes.sizeof(_Store):
+    dll.qsinkkv_complete_blocks.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Complete)]
+    dll.qsinkkv_complete_blocks.restype = ctypes.c_int
+    for size in ("args", "store", "complete"):
+        getattr(dll, f"qsinkkv_{size}_size").restype = ctypes.c_int64
+    if (dll.qsinkkv_args_size(), dll.qsinkkv_store_size(), dll.qsinkkv_complete_size()) != (
+            ctypes.sizeof(_Args), ctypes.sizeof(_Store), ctypes.sizeof(_Complete)):
         raise _StaleLibrary(f"{lib}: decode_c.c's structs and decode_c.py's disagree")
     return dll
 
@@ -182,7 +192,7 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
         ok, why = available()
         if not ok:
             raise RuntimeError(f"the C decode is not available: {why}")
-    s, cfg = layer, layer.layout.config
+    s = layer
     B, H, D = q.shape
     Hkv = s.num_kv_heads
     if D > MAX_HEAD_DIM:
@@ -194,16 +204,9 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     logits = None if sink_logits is None else sink_logits.to(torch.float32).contiguous()
     out = torch.empty(B, H, D, dtype=torch.float32)
     keep = [q32, bias, logits]  # alive until the call returns
-    ptr = lambda t: None if t is None else _contiguous(t, keep).data_ptr()  # noqa: E731
-    pointers, strides = _pools(s, keep)
-    a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=cfg.sink_tokens, bs=cfg.block_size,
-              quant_slots=s.layout.quant_slots, float_slots=s.layout.float_slots, bits=cfg.bits,
-              groups=s.value_scale.shape[-1], **pointers, st=strides,
-              sink_dtype=_DTYPES[cfg.sink_dtype], window_dtype=_DTYPES[cfg.window_dtype],
-              scale_dtype=_DTYPES[cfg.scale_dtype],
-              sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table),
-              q=q32.data_ptr(), bias=bias.data_ptr(), sink_logits=ptr(logits),
-              scale=D ** -0.5 if scale is None else scale, out=out.data_ptr())
+    a = _args(s, keep, B=B, G=H // Hkv, q=q32.data_ptr(), bias=bias.data_ptr(),
+              sink_logits=None if logits is None else logits.data_ptr(), scale=D ** -0.5 if scale is None else scale,
+              out=out.data_ptr())
     # threads only for large work: inside a model the handoff to a pool thread competes with PyTorch's own
     # spinning OpenMP workers (on 2 cores it made a 2k-token step of the default model slower: an A/B not
     # recorded in the repository; rerun benchmarks/generate.py with THREAD_WORK lowered to check)
@@ -219,6 +222,18 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     if any(codes):
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
     return out.to(q.dtype)
+
+
+def _args(s: LayerStorage, keep: list, **call) -> _Args:
+    """The C struct over storage ``s`` (its pools, tables, sizes and dtypes) and the call's own fields."""
+    cfg = s.layout.config
+    pointers, strides = _pools(s, keep)
+    ptr = lambda t: _contiguous(t, keep).data_ptr()  # noqa: E731
+    return _Args(Hkv=s.num_kv_heads, D=s.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
+                 quant_slots=s.layout.quant_slots, float_slots=s.layout.float_slots, bits=cfg.bits,
+                 groups=s.value_scale.shape[-1], **pointers, st=strides, sink_dtype=_DTYPES[cfg.sink_dtype],
+                 window_dtype=_DTYPES[cfg.window_dtype], scale_dtype=_DTYPES[cfg.scale_dtype],
+                 sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table), **call)
 
 
 _POOLS_SEEN: dict = {}  # (data_ptr, shape, stride) of every pool -> (pointers, strides): the last layers' pools
@@ -286,3 +301,32 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
                at=index[0].data_ptr(), seqs=index[1].data_ptr(), ring_rows=index[2].data_ptr())
     if _lib.qsinkkv_store_rows(ctypes.byref(s)):
         raise RuntimeError(f"the C one-token write failed (head_dim {D} > {MAX_HEAD_DIM})")
+
+
+def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+                      new_recent: Tensor, quantizer) -> None:
+    """``write.complete_blocks`` in one C call: gathered, quantized (quant.py's rounding rule, the same codes and
+    scales) and written to the pages with no PyTorch op, whose small indexed reads and writes cost more than the
+    bytes (and, on a core another process shares, each wait for OpenMP's threads). A block whose scale
+    overflows ``scale_dtype`` is refused by the PyTorch path (its error, nothing written); so is a storage
+    the C code does not serve (off the CPU, the Triton quantizer)."""
+    D = s.head_dim
+    usable = (_lib is not None and s.device.type == "cpu" and k.device.type == "cpu" and quantizer is quant
+              and D <= MAX_HEAD_DIM and k.dtype == v.dtype and s.layout.quant_slots > 0)
+    if usable:
+        keep = []
+        k, v = k.contiguous(), v.contiguous()
+        index = [t.contiguous() for t in (at, seqs, blocks, new_recent)]
+        a = _args(s, keep, B=s.batch_size, G=1)
+        c = _Complete(n=at.shape[0], x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
+                      at=index[0].data_ptr(), seqs=index[1].data_ptr(), blocks=index[2].data_ptr(),
+                      new_recent=index[3].data_ptr(), float_rows=s.layout.float_rows)
+        code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
+        if code == 0:
+            return
+        if code not in (-3, -1):
+            raise RuntimeError(f"the C block completion failed (code {code})")
+    write.complete_blocks(s, k, v, at, seqs, blocks, new_recent, quantizer)
+
+
+ONE_TOKEN_C = write.OneTokenWrite(complete_blocks_c, store_rows_c)

@@ -10,7 +10,8 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
   write              write.append (uses the chosen quantizer)    -
-  one-token rows     write.store_rows                            decode_c.store_rows_c (CPU, C; the same bits)
+  one-token rows     write.ONE_TOKEN_TORCH (complete_blocks,     decode_c.ONE_TOKEN_C (CPU, C; the same bits)
+                     store_rows)
 
 Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
 -> cache -> integrations/eval.
@@ -44,7 +45,7 @@ class Ops:
     quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
-    store_rows: Callable = write.store_rows  # the one-token write's rows (pool_k, pool_v, table, k, v, at, seqs, ...)
+    one_token: write.OneTokenWrite = write.ONE_TOKEN_TORCH  # how a one-token step's rows are written
 
 
 def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None,
@@ -58,7 +59,7 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     backend = resolve_backend(backend, device, head_dim, rotary)
     check_decode_variant(decode_variant, backend, rotary)
     if backend == "c":
-        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.store_rows_c)
+        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.ONE_TOKEN_C)
     if backend == "triton":
         from . import kernels
         return Ops("triton", kernels,

@@ -101,7 +101,7 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
     chunks = [(b, split.k_multi[i:i + 1, :, :lens[b]], split.v_multi[i:i + 1, :, :lens[b]])
               for i, b in enumerate(split.multi)]
     undo = write.append_rows(store, split.one, split.k_one, split.v_one, chunks, ops.quantizer, keep_undo,
-                             ops.store_rows)
+                             ops.one_token)
     if split.one:
         every_row = len(split.one) == store.batch_size  # (decode reads; it needs no copy of the tables)
         one_out = ops.decode(split.q_one, store if every_row else store.select_rows(split.one), scale=scale,

@@ -20,6 +20,7 @@ write per tensor; any other ragged chunk row by row.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,19 +68,20 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
 
 def append_rows(storage: LayerStorage, ones: list[int], k_one: Tensor, v_one: Tensor,
                 chunks: list[tuple[int, Tensor, Tensor]], quantizer, keep_undo: bool = True,
-                store=None) -> Undo | None:
+                one_token: OneTokenWrite | None = None) -> Undo | None:
     """A step given by rows, not padded: the sequences ``ones`` get one token each (``k_one, v_one
     [len(ones), Hkv, D]``, in that order), each ``(b, k, v)`` of ``chunks`` gets ``k, v [1, Hkv, t, D]``
     after its ``seq_lens[b]`` tokens; the other sequences get none. What a packed step (and the ragged
     part of ``append``) writes, without a ``[B, Hkv, T_max, D]`` chunk. keep_undo=False (a caller that never
-    rolls back: an engine) copies nothing aside and returns None. store: how the one-token rows are stored
-    (``store_rows``, the default, or ``decode_c.store_rows_c``: the same bits).
+    rolls back: an engine) copies nothing aside and returns None. one_token: how the one-token rows are written
+    (``ONE_TOKEN_TORCH``, the default, or ``decode_c.ONE_TOKEN_C``: the same bits).
 
     Raises ValueError (storage unchanged) if a block's scale or zero overflows ``scale_dtype``."""
     before = storage.seq_lens.clone()
     plans = [_plan(storage.rows(b), kk, vv, quantizer) for b, kk, vv in chunks]  # may raise: nothing written yet
     # (it quantizes before it writes, so it may raise with nothing written too)
-    saved = _append_one_token(storage, ones, k_one, v_one, quantizer, keep_undo, store or store_rows) if ones else []
+    one_token = one_token or ONE_TOKEN_TORCH
+    saved = _append_one_token(storage, ones, k_one, v_one, quantizer, keep_undo, one_token) if ones else []
     for plan in plans:
         saved += _commit(plan, keep_undo)
     return Undo(before, saved) if keep_undo else None
@@ -216,47 +218,32 @@ def _one_token_plan(layout, lengths: tuple[int, ...], rows: tuple[int, ...]) -> 
 
 
 def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, quantizer, keep_undo: bool,
-                      store) -> list:
+                      impl: OneTokenWrite) -> list:
     """One new token for each sequence in ``rows`` (``k, v [len(rows), Hkv, D]``, in that order), each at
     its own length, written with one indexed write per tensor and kind of row (a pass per sequence would cost
     a pass per sequence); where each goes is ``_one_token_plan``'s, computed once for every layer of a step."""
     layout, cfg = s.layout, s.layout.config
-    bs, F, nq = cfg.block_size, layout.float_rows, max(layout.quant_slots, 1)
+    bs, nq = cfg.block_size, max(layout.quant_slots, 1)
     dev = s.device
     every_row = len(rows) == s.batch_size  # (rows are distinct and in order: then 0 .. B-1)
     p = _one_token_plan(layout, tuple((s.seq_lens if every_row else s.seq_lens[rows]).tolist()), tuple(rows))
     on = lambda x: x.to(dev)  # noqa: E731
-    quantized = None
-    if p.full_at.numel():  # read and quantize before writing anything: the new token may share a ring row
-        fr, blk = on(p.full_rows), on(p.full_block)
-        tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
-        new = tok == on(p.full_new).unsqueeze(1)                                        # the new token's place
-        blocks = []
-        for ring, x in ((s.float_k, k), (s.float_v, v)):
-            xb = x[p.full_at.to(x.device)].to(cfg.window_dtype).unsqueeze(1)            # [n, 1, Hkv, D]
-            if F:  # the block's other tokens are in the float ring (empty when bs == 1 and R == 0: never read)
-                held = ring[:, s.float_table[fr.unsqueeze(1), tok % F // bs], tok % bs]    # [Hkv, n, bs, D]
-                xb = torch.where(new.view(*new.shape, 1, 1), xb, held.permute(1, 2, 0, 3))
-            blocks.append(xb.transpose(1, 2))                                           # [n, Hkv, bs, D]
-        quantized = (quantizer.quantize_key_blocks(blocks[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
-                     + quantizer.quantize_values(blocks[1].unsqueeze(2), cfg.bits, cfg.value_group_size,
-                                                 cfg.scale_dtype))
     saved = []  # what the shorter stream reads and this step overwrites: a completing block's slot, live rows
     if keep_undo and p.live_rows.numel():
         row = on(p.live_row)
         where_f = (slice(None), s.float_table[on(p.live_rows), row // bs], row % bs)
         saved += [_save(t, where_f) for t in (s.float_k, s.float_v)]
-    if quantized is not None:
-        where_q = (slice(None), s.quant_table[fr, blk % nq])                            # pool[where_q]: [Hkv, n, ...]
+    if p.full_at.numel():
         if keep_undo:
+            where_q = (slice(None), s.quant_table[on(p.full_rows), on(p.full_block) % nq])  # pool[where_q]: [Hkv, n]
             saved += [_save(getattr(s, name), where_q) for name in QUANT_TENSORS]
-        for name, src in zip(QUANT_TENSORS, quantized):
-            getattr(s, name)[where_q] = src.squeeze(2).transpose(0, 1)
+        # before the rows below are stored: a completing block reads the ring, where a new token may go
+        impl.complete_blocks(s, k, v, p.full_at, p.full_rows, p.full_block, p.full_new, quantizer)
     if p.sink_at.numel():  # (a sink page is one block of sink_tokens rows)
-        store(s.sink_k, s.sink_v, s.sink_table.unsqueeze(1), k, v, p.sink_at, p.sink_rows, p.sink_pos,
-                   cfg.sink_tokens)
+        impl.store_rows(s.sink_k, s.sink_v, s.sink_table.unsqueeze(1), k, v, p.sink_at, p.sink_rows, p.sink_pos,
+                        cfg.sink_tokens)
     if p.float_at.numel():
-        store(s.float_k, s.float_v, s.float_table, k, v, p.float_at, p.float_rows, p.float_row, bs)
+        impl.store_rows(s.float_k, s.float_v, s.float_table, k, v, p.float_at, p.float_rows, p.float_row, bs)
     if every_row:
         s.seq_lens += 1
     else:
@@ -264,18 +251,54 @@ def _append_one_token(s: LayerStorage, rows: list[int], k: Tensor, v: Tensor, qu
     return saved
 
 
+def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+                    new_recent: Tensor, quantizer) -> None:
+    """Token ``at[i]`` of ``k, v [n, Hkv, D]`` completes recent block ``blocks[i]`` of sequence ``seqs[i]`` (as its
+    recent index ``new_recent[i]``; the block's older tokens are in the float ring): quantize every such block
+    (the new token cast to ``window_dtype`` first, as the ring holds it) and write it to its quantized-ring slot
+    ``quant_table[seqs[i], blocks[i] % quant_slots]``. All host int64 ``[n]``. Raises ValueError (nothing written)
+    if a scale or zero overflows ``scale_dtype``. The one-token write's reference; ``decode_c`` has its C version."""
+    layout, cfg = s.layout, s.layout.config
+    bs, F, nq, dev = cfg.block_size, layout.float_rows, max(layout.quant_slots, 1), s.device
+    fr, blk = seqs.to(dev), blocks.to(dev)
+    tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
+    new = tok == new_recent.to(dev).unsqueeze(1)                                    # the new token's place
+    parts = []
+    for ring, x in ((s.float_k, k), (s.float_v, v)):
+        xb = x[at.to(x.device)].to(cfg.window_dtype).unsqueeze(1)                  # [n, 1, Hkv, D]
+        if F:  # the block's other tokens are in the float ring (empty when bs == 1 and R == 0: never read)
+            held = ring[:, s.float_table[fr.unsqueeze(1), tok % F // bs], tok % bs]    # [Hkv, n, bs, D]
+            xb = torch.where(new.view(*new.shape, 1, 1), xb, held.permute(1, 2, 0, 3))
+        parts.append(xb.transpose(1, 2))                                           # [n, Hkv, bs, D]
+    quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
+                 + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
+    where = (slice(None), s.quant_table[fr, blk % nq])                             # pool[where]: [Hkv, n, ...]
+    for name, src in zip(QUANT_TENSORS, quantized):
+        getattr(s, name)[where] = src.squeeze(2).transpose(0, 1)
+
+
 def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
                ring_rows: Tensor, rows_per_block: int) -> None:
     """Token ``at[i]`` of ``k, v [n, Hkv, D]`` into row ``ring_rows[i] % rows_per_block`` of block
     ``table[seqs[i], ring_rows[i] // rows_per_block]`` of ``pool_k, pool_v [Hkv, blocks, rows_per_block, D]``, cast
     to the pools' dtype (``table [B, slots]``; ``at``, ``seqs``, ``ring_rows`` host int64 ``[n]``, ``at``
-    increasing: all of ``k`` when as long). The one-token write's reference; ``decode_c.store_rows_c`` is its C
-    version."""
+    increasing: all of ``k`` when as long). The one-token write's reference; ``decode_c`` has its C version."""
     dev = pool_k.device
     rows = ring_rows.to(dev)
     where = (slice(None), table[seqs.to(dev), rows // rows_per_block], rows % rows_per_block)
     for pool, x in ((pool_k, k), (pool_v, v)):
         pool[where] = (x if len(at) == x.shape[0] else x[at.to(x.device)]).transpose(0, 1).to(pool.dtype)
+
+
+@dataclass(frozen=True)
+class OneTokenWrite:
+    """How a one-token step's rows are written: the blocks they complete and the rows they store (PyTorch, the
+    reference: ``ONE_TOKEN_TORCH``; ``decode_c.ONE_TOKEN_C``: the same bits in C)."""
+    complete_blocks: Callable
+    store_rows: Callable
+
+
+ONE_TOKEN_TORCH = OneTokenWrite(complete_blocks, store_rows)
 
 
 def _stays_float(layout, n: int) -> bool:

@@ -133,6 +133,47 @@ def test_store_rows_c_writes_the_bits_of_the_reference(x_dtype, pool_dtype):
         assert bool(((a_.view(bits) == b_.view(bits)) | (a_.isnan() & b_.isnan())).all())
 
 
+@pytest.mark.parametrize("bits, window_dtype, scale_dtype, residual, group, x_dtype", [
+    (4, torch.bfloat16, torch.float16, 0, 8, torch.float32), (8, torch.float16, torch.bfloat16, 2, 16, torch.float32),
+    (4, torch.float32, torch.float32, 2, 4, torch.float32), (8, torch.bfloat16, torch.float16, 0, 16, torch.bfloat16)])
+def test_one_token_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype, scale_dtype, residual, group,
+                                                               x_dtype):
+    """A one-token step over rows at every kind of length (to the sinks, to the float ring, completing a block,
+    completing one whose slot held a block still visible): ``decode_c.ONE_TOKEN_C`` leaves every storage tensor
+    and length bit for bit as ``write.ONE_TOKEN_TORCH`` does; a block whose scale overflows fp16 is refused by
+    both, with nothing written."""
+    from qsinkkv import quant, write
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=21, bits=bits, block_size=4, value_group_size=group,
+                      residual_tokens=residual, window_dtype=window_dtype, scale_dtype=scale_dtype)
+    layout = random_storage_layer(cfg, 1, 2).layout
+    every = write._one_token_plan(layout, tuple(range(70)), tuple(range(70)))  # each length's kind of row
+    lengths = [0, 2] + every.float_rows[::9].tolist() + every.full_rows[::2].tolist()
+    plan = write._one_token_plan(layout, tuple(lengths), tuple(range(len(lengths))))
+    assert len(plan.full_at) >= 3 and len(plan.sink_at) >= 2 and len(plan.float_at) >= 3
+    g = torch.Generator().manual_seed(bits + residual)
+    k, v = (torch.randn(len(lengths), 2, D, generator=g).mul(3).to(x_dtype) for _ in range(2))
+    results = []
+    for impl in (write.ONE_TOKEN_TORCH, decode_c.ONE_TOKEN_C):
+        layer = random_storage_layer(cfg, len(lengths), 2, seed=5)
+        layer.seq_lens.copy_(torch.tensor(lengths))
+        write.append_rows(layer, list(range(len(lengths))), k, v, [], quant, keep_undo=False, one_token=impl)
+        results.append(layer)
+    for name, t in results[0].tensors().items():
+        assert torch.equal(t.view(torch.uint8), results[1].tensors()[name].view(torch.uint8)), name
+    assert torch.equal(results[0].seq_lens, results[1].seq_lens)
+    if scale_dtype == torch.float16:  # 1e5 overflows an fp16 scale: refused, nothing written
+        huge = k.clone()
+        huge[plan.full_at[0], 0, 0] = -1e5  # (beyond fp16's 65504: the block's zero cannot be stored)
+        for impl in (write.ONE_TOKEN_TORCH, decode_c.ONE_TOKEN_C):
+            layer = random_storage_layer(cfg, len(lengths), 2, seed=5)
+            layer.seq_lens.copy_(torch.tensor(lengths))
+            before = {name: t.clone() for name, t in layer.tensors().items()}
+            with pytest.raises(ValueError, match="overflow scale_dtype"):
+                write.append_rows(layer, list(range(len(lengths))), huge, v, [], quant, keep_undo=False,
+                                  one_token=impl)
+            assert all(torch.equal(t.view(torch.uint8), before[n].view(torch.uint8)) for n, t in layer.tensors().items())
+
+
 def test_threads_do_not_change_the_bits(monkeypatch):
     """The (KV head, sequence) units split over threads: each unit's arithmetic is the same."""
     monkeypatch.setattr(decode_c, "THREAD_WORK", 1)  # threads for any work

@@ -95,19 +95,25 @@ def main(argv=None) -> None:
         print(f"| {r['engine']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | {r['kv_tokens']} | "
               f"{r['float_pool_bytes'] / 2**20:.1f} | {r['kv_tokens_equal_memory']} | "
               f"{r['kv_tokens_equal_memory'] / base_kv:.2f} |")
-    # what one request of C tokens holds, every layer: stock pages, or qsinkkv's pages and its float ring
     elem = 4 if args.dtype == "float32" else 2
-    per_request = {"stock CPU_ATTN": L * -(-C // args.block) * args.block * Hkv * D * 2 * elem,
-                   "qsinkkv bits=16": L * -(-C // args.block) * args.block * Hkv * D * 2 * elem}
-    for b in (8, 4):
-        qc = parse_config({**base_cfg, "bits": b})
-        per_request[f"qsinkkv bits={b}"] = L * (pages_needed(WindowLayout(qc), C) * PageLayout.of(qc, Hkv, D).page_bytes
-                                                + float_ring_bytes(qc, Hkv, D))
+    per_request = {name: request_bytes(C, bits, base_cfg, args.block, (L, Hkv, D), elem)
+                   for name, bits in (("stock CPU_ATTN", None), ("qsinkkv bits=16", 16), ("qsinkkv bits=8", 8),
+                                      ("qsinkkv bits=4", 4))}
     print(f"a request at the capacity ({C} tokens), all layers (arithmetic, from the page and ring sizes):")
     table_header(["engine", "bytes / request", "requests in 1 GiB", "x stock"], left=1)
     for name, nbytes in per_request.items():
         print(f"| {name} | {nbytes} | {2**30 // nbytes} | {per_request['stock CPU_ATTN'] / nbytes:.2f} |")
     result["per_request_bytes_at_capacity"] = per_request
+    # the same at longer capacities: the sink page and the bf16 filling block weigh less as the window grows
+    sweep = {}
+    print("requests at capacity per stock request (the same arithmetic, S and block as above, W = capacity - S):")
+    table_header(["capacity", "bits=8", "bits=4"], left=0)
+    for cap in sorted({C, 1024, 2048, 4096}):
+        cfg_cap = {**base_cfg, "recent_tokens": cap - S}
+        stock = request_bytes(cap, None, cfg_cap, args.block, (L, Hkv, D), elem)
+        sweep[cap] = {b: stock / request_bytes(cap, b, cfg_cap, args.block, (L, Hkv, D), elem) for b in (8, 4)}
+        print(f"| {cap} | {sweep[cap][8]:.2f} | {sweep[cap][4]:.2f} |")
+    result["requests_x_stock_by_capacity"] = sweep
     layout = WindowLayout(parse_config({**base_cfg, "bits": 4}))
     bound = max_pages(layout, 1 + max(map(len, prompts[:2])))
     full = -(-(4 * C + 24) // args.block)
@@ -116,6 +122,16 @@ def main(argv=None) -> None:
           f"a full-attention request would hold {full}")
     result["stream"] = dict(tokens=4 * C, held_blocks=stream["held_blocks"], bound=bound, full_attention_blocks=full)
     save_json(args.json, result)
+
+
+def request_bytes(C: int, bits: int | None, base_cfg: dict, block: int, shape: tuple, elem: int) -> int:
+    """Bytes one request of ``C`` tokens holds over every layer: stock pages (``bits`` None) and bits=16 keep
+    vLLM's own pages; bits 8/4 hold their pages and one float ring."""
+    L, Hkv, D = shape
+    if bits in (None, 16):
+        return L * -(-C // block) * block * Hkv * D * 2 * elem
+    qc = parse_config({**base_cfg, "bits": bits})
+    return L * (pages_needed(WindowLayout(qc), C) * PageLayout.of(qc, Hkv, D).page_bytes + float_ring_bytes(qc, Hkv, D))
 
 
 def model_shape():

@@ -484,8 +484,8 @@ static void convert(const void *p, int dt, int64_t n, void *restrict out, int od
 
 typedef struct {
     int64_t n, H, D;             /* tokens written, KV heads, head_dim */
-    const void *x_k, *x_v;       /* [tokens, H, D] of x_dtype, contiguous */
-    int64_t x_dtype;
+    const void *x_k, *x_v;       /* [tokens, H, D] of x_dtype: rows D apart, tokens x_stride apart */
+    int64_t x_dtype, x_stride;
     void *pool_k, *pool_v;       /* [H, blocks, rows_per_block, D] of pool_dtype, each block's rows D apart */
     int64_t pool_dtype, head_stride, block_stride, rows_per_block;  /* strides in elements (the two pools alike) */
     const int64_t *table;        /* table[seq * table_st0 + (r / rows_per_block) * table_st1]: the block */
@@ -501,7 +501,7 @@ int qsinkkv_store_rows(const Store *s) {
         const int64_t r = s->ring_rows[i], rpb = s->rows_per_block;
         const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (r / rpb) * s->table_st1];
         for (int64_t h = 0; h < s->H; h++) {
-            const int64_t src = (s->at[i] * s->H + h) * s->D, dst = h * s->head_stride + blk * s->block_stride
+            const int64_t src = s->at[i] * s->x_stride + h * s->D, dst = h * s->head_stride + blk * s->block_stride
                                                                      + (r % rpb) * s->D;
             convert((const char *)s->x_k + src * xe, (int)s->x_dtype, s->D, (char *)s->pool_k + dst * pe,
                     (int)s->pool_dtype);
@@ -557,8 +557,8 @@ static int quantize_group(const float *x, int64_t n, int64_t step, int qmax, int
 
 typedef struct {
     int64_t n;                   /* blocks completing */
-    const void *x_k, *x_v;       /* [tokens, Hkv, D] of x_dtype, contiguous: the step's new tokens */
-    int64_t x_dtype;
+    const void *x_k, *x_v;       /* [tokens, Hkv, D] of x_dtype (rows D apart, tokens x_stride): the new tokens */
+    int64_t x_dtype, x_stride;
     const int64_t *at, *seqs, *blocks, *new_recent;  /* [n]: token x[at[i]] of sequence seqs[i] completes its
                                                       * recent block blocks[i] as recent index new_recent[i] */
     int64_t float_rows;          /* the float ring's rows (0: none; the block is the new token alone) */
@@ -590,7 +590,7 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
                 for (int64_t t = 0; t < bs; t++) {
                     float *row = x + kv * per + (h * bs + t) * D;
                     if (t == fresh || !F) {
-                        load((const char *)src + (c->at[i] * H + h) * D * xe, (int)c->x_dtype, 0, (int)D, row);
+                        load((const char *)src + (c->at[i] * c->x_stride + h * D) * xe, (int)c->x_dtype, 0, (int)D, row);
                         if (c->x_dtype != a->window_dtype)
                             for (int64_t d = 0; d < D; d++) row[d] = round_to(row[d], (int)a->window_dtype);
                     } else {
@@ -647,3 +647,35 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
 }
 
 int64_t qsinkkv_complete_size(void) { return (int64_t)sizeof(Complete); }
+
+/* ---- a whole decode step of one layer in an engine (every row one new token, past its sinks) ---- */
+
+/* Every value of n rows of D (dtype dt, rows `stride` apart) below `bound` in magnitude (NaN is not) */
+static int all_below(const void *x, int dt, int64_t n, int64_t D, int64_t stride, float bound) {
+    float ALIGN row[MAX_D];
+    const int64_t e = dt == F32 ? 4 : 2;
+    for (int64_t i = 0; i < n; i++) {
+        load((const char *)x + i * stride * e, dt, 0, (int)D, row);
+        int ok = 1;
+        for (int64_t d = 0; d < D; d++) ok &= fabsf(row[d]) < bound;
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+/* The checks (checks.values: q, k, v) and the write (the blocks that complete, then the float rows) of a decode
+ * step, each only after the one before succeeded: returns -4 (nothing written) when q (a->q) holds NaN/inf or
+ * k, v a value |x| >= kv_bound, -3 (nothing written) when a block's scale overflows, else 0. Row b's new token
+ * is token b of k, v (`floats`' x_k, x_v; `complete` reads the same). */
+int qsinkkv_engine_write(const Args *a, const Complete *complete, const Store *floats, float kv_bound) {
+    const int64_t B = a->B, Hkv = a->Hkv, D = a->D, e = floats->x_dtype == F32 ? 4 : 2;
+    if (!all_below(a->q, F32, B * Hkv * a->G, D, D, INFINITY)) return -4;
+    for (int64_t i = 0; i < B; i++)
+        for (int kv = 0; kv < 2; kv++)
+            if (!all_below((const char *)(kv ? floats->x_v : floats->x_k) + i * floats->x_stride * e,
+                           (int)floats->x_dtype, Hkv, D, D, kv_bound))
+                return -4;
+    int code = complete->n ? qsinkkv_complete_blocks(a, complete) : 0;
+    if (code) return code;
+    return floats->n ? qsinkkv_store_rows(floats) : 0;
+}

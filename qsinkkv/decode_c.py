@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import quant, write
+from .checks import overflow_bound as checks_bound
 from .models import cache_dir
 from .storage import LayerStorage
 
@@ -50,13 +51,15 @@ class _Args(ctypes.Structure):
 
 class _Complete(ctypes.Structure):
     _fields_ = ([("n", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")]
-                + [("x_dtype", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("at", "seqs", "blocks", "new_recent")]
+                + [("x_dtype", ctypes.c_int64), ("x_stride", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("at", "seqs", "blocks", "new_recent")]
                 + [("float_rows", ctypes.c_int64)])
 
 
 class _Store(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("n", "H", "D")]
-                + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")] + [("x_dtype", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")]
+                + [("x_dtype", ctypes.c_int64), ("x_stride", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("pool_k", "pool_v")]
                 + [(n, ctypes.c_int64) for n in ("pool_dtype", "head_stride", "block_stride", "rows_per_block")]
                 + [("table", ctypes.c_void_p), ("table_st0", ctypes.c_int64), ("table_st1", ctypes.c_int64)]
@@ -147,6 +150,9 @@ def _open(lib: Path) -> ctypes.CDLL:
     dll.qsinkkv_store_rows.restype = ctypes.c_int
     dll.qsinkkv_complete_blocks.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Complete)]
     dll.qsinkkv_complete_blocks.restype = ctypes.c_int
+    dll.qsinkkv_engine_write.argtypes = [ctypes.POINTER(_Args), ctypes.POINTER(_Complete), ctypes.POINTER(_Store),
+                                         ctypes.c_float]
+    dll.qsinkkv_engine_write.restype = ctypes.c_int
     for size in ("args", "store", "complete"):
         getattr(dll, f"qsinkkv_{size}_size").restype = ctypes.c_int64
     if (dll.qsinkkv_args_size(), dll.qsinkkv_store_size(), dll.qsinkkv_complete_size()) != (
@@ -207,11 +213,17 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     a = _args(s, keep, B=B, G=H // Hkv, q=q32.data_ptr(), bias=bias.data_ptr(),
               sink_logits=None if logits is None else logits.data_ptr(), scale=D ** -0.5 if scale is None else scale,
               out=out.data_ptr())
+    _decode_units(a, Hkv * B, s.layout.num_slots * D)
+    return out.to(q.dtype)
+
+
+def _decode_units(a: _Args, units: int, per_unit: int) -> None:
+    """Run the decode's ``units`` (KV head, sequence) pairs, each ``per_unit`` slot-channels of work, on this thread
+    and, when each gets ``THREAD_WORK``, on up to ``torch.get_num_threads() - 1`` more."""
     # threads only for large work: inside a model the handoff to a pool thread competes with PyTorch's own
     # spinning OpenMP workers (on 2 cores it made a 2k-token step of the default model slower: an A/B not
     # recorded in the repository; rerun benchmarks/generate.py with THREAD_WORK lowered to check)
-    units = Hkv * B
-    threads = min(torch.get_num_threads(), units, units * s.layout.num_slots * D // THREAD_WORK)
+    threads = min(torch.get_num_threads(), units, units * per_unit // THREAD_WORK)
     if threads > 1:
         cuts = [units * i // threads for i in range(threads + 1)]
         rest = [_threads(threads - 1).submit(_lib.qsinkkv_decode, ctypes.byref(a), cuts[i], cuts[i + 1])
@@ -221,7 +233,6 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
         codes = [_lib.qsinkkv_decode(ctypes.byref(a), 0, units)]
     if any(codes):
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
-    return out.to(q.dtype)
 
 
 def _args(s: LayerStorage, keep: list, **call) -> _Args:
@@ -280,27 +291,69 @@ def _contiguous(t: Tensor, keep: list) -> Tensor:
     return t
 
 
+def _rows(x: Tensor, keep: list) -> tuple[Tensor, int]:
+    """``x [tokens, H, D]`` as the C code reads it (rows of D contiguous, tokens any stride apart) and its token
+    stride: a view as it lies (an engine's key, a slice of its fused qkv) or a contiguous copy."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+        keep.append(x)
+    return x, x.stride(0)
+
+
+def _kv_rows(k: Tensor, v: Tensor, keep: list) -> tuple[Tensor, Tensor, int]:
+    """``_rows`` of k and v with one token stride for both."""
+    (k, k_stride), (v, v_stride) = _rows(k, keep), _rows(v, keep)
+    if k_stride != v_stride:
+        (k, k_stride), (v, _) = _rows(k.contiguous(), keep), _rows(v.contiguous(), keep)
+    return k, v, k_stride
+
+
+def _store_struct(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, index: list,
+                  rows_per_block: int, keep: list) -> _Store:
+    k, v, stride = _kv_rows(k, v, keep)
+    table2 = table if table.dim() == 2 else table.unsqueeze(1)
+    keep += [k, v, table2, *index]
+    return _Store(n=index[0].shape[0], H=k.shape[1], D=k.shape[2], x_k=k.data_ptr(), x_v=v.data_ptr(),
+                  x_dtype=_DTYPES[k.dtype], x_stride=stride, pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(),
+                  pool_dtype=_DTYPES[pool_k.dtype], head_stride=pool_k.stride(0), block_stride=pool_k.stride(1),
+                  rows_per_block=rows_per_block, table=table2.data_ptr(), table_st0=table2.stride(0),
+                  table_st1=table2.stride(1), at=index[0].data_ptr(), seqs=index[1].data_ptr(),
+                  ring_rows=index[2].data_ptr())
+
+
+def _store_applies(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor) -> bool:
+    D = k.shape[2]
+    return (_lib is not None and all(t.device.type == "cpu" for t in (pool_k, pool_v, table, k, v))
+            and (pool_k.stride(3), pool_k.stride(2)) == (1, D) and pool_k.stride() == pool_v.stride()
+            and pool_k.dtype == pool_v.dtype and k.dtype == v.dtype and D <= MAX_HEAD_DIM)
+
+
 def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
                  ring_rows: Tensor, rows_per_block: int) -> None:
     """``write.store_rows`` in one C call (the one-token write of a decode step: a few rows per layer, where
     PyTorch's indexed writes cost more than the bytes), the same bits: the casts round as torch's ``.to()`` does.
     Takes the PyTorch path where the C one does not apply (tensors off the CPU, a pool whose blocks' rows are
     not ``D`` apart)."""
-    n, (H, D) = at.shape[0], k.shape[1:]
-    rows_apart = (pool_k.stride(3), pool_k.stride(2)) == (1, D) and pool_k.stride() == pool_v.stride()
-    on_cpu = all(t.device.type == "cpu" for t in (pool_k, pool_v, table, k, v))
-    if _lib is None or not on_cpu or not rows_apart or pool_k.dtype != pool_v.dtype or k.dtype != v.dtype:
+    if not _store_applies(pool_k, pool_v, table, k, v):
         return write.store_rows(pool_k, pool_v, table, k, v, at, seqs, ring_rows, rows_per_block)
-    k, v = k.contiguous(), v.contiguous()
-    index = [t.contiguous() for t in (at, seqs, ring_rows)]  # (host int64 tensors: the plan's)
-    table2 = table if table.dim() == 2 else table.unsqueeze(1)
-    s = _Store(n=n, H=H, D=D, x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
-               pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(), pool_dtype=_DTYPES[pool_k.dtype],
-               head_stride=pool_k.stride(0), block_stride=pool_k.stride(1), rows_per_block=rows_per_block,
-               table=table2.data_ptr(), table_st0=table2.stride(0), table_st1=table2.stride(1),
-               at=index[0].data_ptr(), seqs=index[1].data_ptr(), ring_rows=index[2].data_ptr())
+    keep = []
+    s = _store_struct(pool_k, pool_v, table, k, v, [t.contiguous() for t in (at, seqs, ring_rows)], rows_per_block,
+                      keep)
     if _lib.qsinkkv_store_rows(ctypes.byref(s)):
-        raise RuntimeError(f"the C one-token write failed (head_dim {D} > {MAX_HEAD_DIM})")
+        raise RuntimeError("the C one-token write failed")
+
+
+def _complete_struct(s: LayerStorage, k: Tensor, v: Tensor, index: list, keep: list) -> _Complete:
+    k, v, stride = _kv_rows(k, v, keep)
+    keep += [k, v, *index]
+    return _Complete(n=index[0].shape[0], x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
+                     x_stride=stride, at=index[0].data_ptr(), seqs=index[1].data_ptr(), blocks=index[2].data_ptr(),
+                     new_recent=index[3].data_ptr(), float_rows=s.layout.float_rows)
+
+
+def _complete_applies(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> bool:
+    return (_lib is not None and s.device.type == "cpu" and k.device.type == "cpu" and quantizer is quant
+            and s.head_dim <= MAX_HEAD_DIM and k.dtype == v.dtype and s.layout.quant_slots > 0)
 
 
 def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
@@ -310,23 +363,61 @@ def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: T
     bytes (and, on a core another process shares, each wait for OpenMP's threads). A block whose scale
     overflows ``scale_dtype`` is refused by the PyTorch path (its error, nothing written); so is a storage
     the C code does not serve (off the CPU, the Triton quantizer)."""
-    D = s.head_dim
-    usable = (_lib is not None and s.device.type == "cpu" and k.device.type == "cpu" and quantizer is quant
-              and D <= MAX_HEAD_DIM and k.dtype == v.dtype and s.layout.quant_slots > 0)
-    if usable:
+    if _complete_applies(s, k, v, quantizer):
         keep = []
-        k, v = k.contiguous(), v.contiguous()
-        index = [t.contiguous() for t in (at, seqs, blocks, new_recent)]
         a = _args(s, keep, B=s.batch_size, G=1)
-        c = _Complete(n=at.shape[0], x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
-                      at=index[0].data_ptr(), seqs=index[1].data_ptr(), blocks=index[2].data_ptr(),
-                      new_recent=index[3].data_ptr(), float_rows=s.layout.float_rows)
+        c = _complete_struct(s, k, v, [t.contiguous() for t in (at, seqs, blocks, new_recent)], keep)
         code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
         if code == 0:
             return
-        if code not in (-3, -1):
+        if code != -3:
             raise RuntimeError(f"the C block completion failed (code {code})")
     write.complete_blocks(s, k, v, at, seqs, blocks, new_recent, quantizer)
 
 
 ONE_TOKEN_C = write.OneTokenWrite(complete_blocks_c, store_rows_c)
+
+
+class EngineDecode:
+    """One decode step of an engine's pages for every layer (every row one new token, past its sinks: vLLM's
+    common step): prepared once from the first layer's ``store`` record (the plan of the write, the tables, the
+    visible bias), then ``run`` per layer: the value checks, the write (the blocks that complete, the float rows)
+    and the decode in two C calls, the bits ``engine_pages.attend_packed`` gives for such a step. ``run`` returns
+    None, having written nothing, when the checks or a block's scale refuse the step, or when a layer's pools
+    are laid out otherwise: the caller then runs ``attend_packed``, which raises by name."""
+
+    def __init__(self, store: LayerStorage):
+        layout, B = store.layout, store.batch_size
+        self.held = store.seq_lens.clone()
+        self.plan = write._one_token_plan(layout, tuple(self.held.tolist()), tuple(range(B)))
+        self.bias = layout.visible_bias(self.held + 1, store.device)
+        self.index = [t.contiguous() for t in (self.plan.full_at, self.plan.full_rows, self.plan.full_block,
+                                                self.plan.full_new, self.plan.float_at, self.plan.float_rows,
+                                                self.plan.float_row)]
+        self.tables = (store.sink_table, store.float_table, store.quant_table)
+        self.layout = layout
+
+    def run(self, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
+        """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` float32, stored into ``store``
+        (this step's record of a layer: the same tables, other pools), or None (nothing written)."""
+        if _lib is None or any(t is not u for t, u in zip(self.tables, (store.sink_table, store.float_table,
+                                                                        store.quant_table))):
+            return None
+        keep = []
+        _pools(store, keep)
+        if keep:  # a pool copied (its blocks not contiguous): writing the copy would not write the pool
+            return None
+        B, H, D = q.shape
+        Hkv = store.num_kv_heads
+        q32 = q.to(torch.float32).contiguous()
+        out = torch.empty(B, H, D, dtype=torch.float32)
+        a = _args(store, keep, B=B, G=H // Hkv, q=q32.data_ptr(), bias=self.bias.data_ptr(), sink_logits=None,
+                  scale=D ** -0.5 if scale is None else scale, out=out.data_ptr())
+        c = _complete_struct(store, k, v, self.index[:4], keep)
+        st = _store_struct(store.float_k, store.float_v, store.float_table, k, v, self.index[4:],
+                           self.layout.block_size, keep)
+        bound = checks_bound(store.layout.config.window_dtype, k.dtype)
+        if _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound):
+            return None
+        _decode_units(a, Hkv * B, self.layout.num_slots * D)
+        return out

@@ -245,6 +245,33 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
     return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
 
 
+class DecodeStep:
+    """One engine step for every layer: ``attend`` runs a layer's packed step as ``attend_packed`` does. A step in
+    which every row brings one token past its sinks (the common decode step), on ops that have an engine decode
+    (``Ops.engine_decode``: the C one), runs the checks, the write and the decode in two C calls per layer,
+    prepared once for all layers at the first; any other step, or one those refuse (a NaN, a scale that
+    overflows: nothing was written), runs ``attend_packed``, which raises by name. ``held``, ``lens`` [B] host."""
+
+    def __init__(self, held: Tensor, lens: Tensor, sink_tokens: int):
+        self.decoding = bool((lens == 1).all()) and bool((held >= max(sink_tokens, 1)).all())
+        self._engine = None
+        self.fused_layers = 0  # layers that ran fused (the others ran attend_packed)
+
+    def fused(self, ops) -> bool:
+        return self.decoding and ops.engine_decode is not None
+
+    def attend(self, ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, *,
+               scale: float | None = None) -> Tensor:
+        if self.fused(ops):
+            if self._engine is None:
+                self._engine = ops.engine_decode(store)
+            out = self._engine.run(store, q, k, v, scale)
+            if out is not None:
+                self.fused_layers += 1
+                return out.to(q.dtype)
+        return attend_packed(ops, read, store, q, k, v, qsl, scale=scale)
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:

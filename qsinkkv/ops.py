@@ -46,6 +46,7 @@ class Ops:
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
     one_token: write.OneTokenWrite = write.ONE_TOKEN_TORCH  # how a one-token step's rows are written
+    engine_decode: type | None = None  # an engine's decode step in one piece (engine_pages.DecodeStep), if any
 
 
 def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None,
@@ -59,7 +60,8 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     backend = resolve_backend(backend, device, head_dim, rotary)
     check_decode_variant(decode_variant, backend, rotary)
     if backend == "c":
-        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.ONE_TOKEN_C)
+        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.ONE_TOKEN_C,
+                   decode_c.EngineDecode)
     if backend == "triton":
         from . import kernels
         return Ops("triton", kernels,

@@ -171,7 +171,8 @@ def test_one_token_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype
             with pytest.raises(ValueError, match="overflow scale_dtype"):
                 write.append_rows(layer, list(range(len(lengths))), huge, v, [], quant, keep_undo=False,
                                   one_token=impl)
-            assert all(torch.equal(t.view(torch.uint8), before[n].view(torch.uint8)) for n, t in layer.tensors().items())
+            assert all(torch.equal(t.view(torch.uint8), before[n].view(torch.uint8))
+                       for n, t in layer.tensors().items())
 
 
 def test_threads_do_not_change_the_bits(monkeypatch):

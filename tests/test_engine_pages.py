@@ -9,6 +9,7 @@ import torch
 
 from qsinkkv import CacheConfig
 from qsinkkv.engine_pages import (
+    DecodeStep,
     FloatRings,
     PageLayout,
     attend_packed,
@@ -89,9 +90,11 @@ def _schedule(seed, steps=40):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("backend", ["torch", "c"])
 @pytest.mark.parametrize("shuffled", [False, True])
-def test_engine_pages_equal_paged_cache(bits, backend, shuffled):
+@pytest.mark.parametrize("through", ["attend_packed", "DecodeStep"])
+def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
     """Rows in PagedCache's order: bit for bit. In the engine's own order (shuffled): within float32 rounding
-    (the prefill's SDPA sums a batch's rows in another order)."""
+    (the prefill's SDPA sums a batch's rows in another order). ``DecodeStep`` (what the vLLM backend calls: the
+    decode steps in two C calls on the c backend) gives the same."""
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=bits, block_size=8, value_group_size=8,
                       sink_dtype=torch.bfloat16, window_dtype=torch.bfloat16, scale_dtype=torch.float16)
     layout = WindowLayout(cfg)
@@ -108,7 +111,7 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled):
     ops = select_ops(backend, torch.device("cpu"), D, None)
     ref = PagedCache(cfg, 1, Hkv, D, max_seqs=8, float_blocks=32, quant_blocks=64, dtype=torch.float32,
                      backend=backend)
-    ids, held = {}, {}
+    ids, held, fused = {}, {}, 0
     g = torch.Generator().manual_seed(bits + 1)
     for step, finished in _schedule(seed=bits):
         for s in step:
@@ -132,7 +135,13 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled):
         tables = step_tables(layout, engine.block_table(seqs, width), before, lens)
         ring = rings.rings(tables[0], before)
         read, store = storages(pools, float_k, float_v, layout, tables, ring_table(layout, ring), before)
-        out = attend_packed(ops, read, store, q, k, v, qsl)
+        if through == "DecodeStep":
+            decode_step = DecodeStep(before, lens, cfg.sink_tokens)
+            out = decode_step.attend(ops, read, store, q, k, v, qsl)
+            fused += decode_step.fused_layers
+            store.seq_lens += lens * decode_step.fused_layers  # (a fused step advances no record: they are the step's)
+        else:
+            out = attend_packed(ops, read, store, q, k, v, qsl)
         # the same K/V through PagedCache: every admitted row, in its own order (0 tokens: it waits)
         rows = ref.seq_ids
         row_of = {ids[s]: i for i, s in enumerate(seqs)}
@@ -153,6 +162,7 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled):
             ref.release(ids.pop(s))
             del held[s]
         assert rings.in_use() == len(ids)
+    assert (fused >= 5) == (through == "DecodeStep" and backend == "c"), fused
 
 
 def step_by_id(step, ids, sid):
@@ -223,3 +233,44 @@ def test_refused_step_changes_no_page_ring_or_length():
     attend_packed(ops, read, store, q, k, v, qsl)
     assert not torch.equal(buf, before[0]) and not torch.equal(float_k, before[1])
     assert store.seq_lens.tolist() == [12, 5]
+
+
+@pytest.mark.parametrize("bad", ["k", "v", "q", "scale"])
+def test_a_refused_decode_step_runs_the_named_refusal(bad):
+    """A decode step (every row one token) that the fused C path refuses -- non-finite k, v or q, or a block
+    whose scale overflows fp16 -- writes nothing there and falls to ``attend_packed``, which raises by name:
+    every page byte, both float pools and the lengths stay as they were."""
+    if not select_ops("auto", torch.device("cpu"), D, None).engine_decode:
+        pytest.skip("no C decode")
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
+    layout, pl = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D)
+    buf = torch.zeros(16, pl.page_bytes, dtype=torch.uint8)
+    pools = pl.views(buf)
+    float_k = torch.zeros(Hkv, 2 * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
+    float_v = torch.zeros_like(float_k)
+    ops = select_ops("c", torch.device("cpu"), D, None)
+    rings, g = FloatRings(2), torch.Generator().manual_seed(1)
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+
+    def step(held, lens, poison=None):
+        qsl = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
+        N = int(qsl[-1])
+        q, k, v = torch.randn(N, Hkv * G, D, generator=g), torch.randn(N, Hkv, D, generator=g), \
+            torch.randn(N, Hkv, D, generator=g)
+        if poison == "scale":   # row 1 completes a block at this step: a value beyond fp16 cannot be its zero
+            k[1, 0, 0] = -1e6
+        elif poison:
+            {"k": k, "v": v, "q": q}[poison][1, 0, 1] = float("nan")
+        tables = step_tables(layout, table, held, lens)
+        read, store = storages(pools, float_k, float_v, layout, tables,
+                               ring_table(layout, rings.rings(tables[0], held)), held)
+        decode_step = DecodeStep(held, lens, cfg.sink_tokens)
+        assert decode_step.fused(ops) == (poison is not None)
+        return decode_step.attend(ops, read, store, q, k, v, qsl)
+
+    step(torch.tensor([0, 0]), torch.tensor([12, 10]))   # prompts (row 1 completes a block with its next token)
+    held = torch.tensor([12, 10])
+    before = (buf.clone(), float_k.clone(), float_v.clone())
+    with pytest.raises(ValueError, match="overflow scale_dtype" if bad == "scale" else bad):
+        step(held, torch.tensor([1, 1]), poison=bad)
+    assert torch.equal(buf, before[0]) and torch.equal(float_k, before[1]) and torch.equal(float_v, before[2])

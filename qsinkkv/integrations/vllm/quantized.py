@@ -9,9 +9,10 @@ allocated once when the layer is built; ``engine_pages.float_ring_bytes`` says h
 comparison.
 
 Per step the metadata builder (once, for all layers) turns vLLM's block table into the tables of
-``engine_pages.step_tables`` and each request's float ring; per layer the forward runs
-``engine_pages.attend_packed``: qsinkkv's checks, write (quantize-once as a block completes), prefill and
-decode -- the code ``PagedCache`` runs, so one layer's output equals ``PagedCache`` fed the same K/V.
+``engine_pages.step_tables`` and each request's float ring; per layer the forward runs the step's
+``engine_pages.DecodeStep``: ``attend_packed`` (qsinkkv's checks, write (quantize-once as a block completes),
+prefill and decode -- the code ``PagedCache`` runs, so one layer's output equals ``PagedCache`` fed the same
+K/V), or for a decode step on the CPU the same checks, write and decode in two C calls, the same bits.
 The ops: on the CPU ``select_ops("auto")``, the C decode where it compiles (it steps through the pools by
 their strides, so it reads vLLM's block-major pages in place), else torch; on CUDA torch (qsinkkv's Triton
 kernels index contiguous head-major pools, not pages: not wired, and untested with vLLM on a GPU).
@@ -32,7 +33,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...config import CacheConfig
-from ...engine_pages import PageLayout, attend_packed, ring_table, step_tables, storages
+from ...engine_pages import DecodeStep, PageLayout, ring_table, step_tables, storages
 from ...layout import WindowLayout
 from ...ops import select_ops
 from . import state
@@ -47,6 +48,7 @@ class QuantMetadata:
     held: Tensor                 # [B] host int64: tokens each request held before this step
     tables: tuple                # engine_pages.step_tables: sink_table [B], quant_read, quant_store [B, nq]
     float_table: Tensor          # [B, float_slots] host int64: each request's float ring (engine_pages.ring_table)
+    step: DecodeStep             # runs each layer's step (a decode step fused, prepared once for every layer)
 
 
 class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
@@ -67,7 +69,8 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         held = m.seq_lens[:B].cpu().long() - lens
         tables = step_tables(self.layout, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
         rings = self.rings.rings(tables[0], held)
-        return QuantMetadata(self.layout, m.num_actual_tokens, qsl, held, tables, ring_table(self.layout, rings))
+        return QuantMetadata(self.layout, m.num_actual_tokens, qsl, held, tables, ring_table(self.layout, rings),
+                             DecodeStep(held, lens, self.layout.sink_tokens))
 
 
 class QuantImpl(AttentionImpl):
@@ -105,8 +108,8 @@ class QuantImpl(AttentionImpl):
         read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, md.layout, md.tables, md.float_table,
                                md.held)
         H, D = self.num_heads, self.head_size
-        out = attend_packed(self.ops, read, store, query[:n].view(n, H, D), key[:n], value[:n], md.query_start_loc,
-                            scale=self.scale)
+        out = md.step.attend(self.ops, read, store, query[:n].view(n, H, D), key[:n], value[:n], md.query_start_loc,
+                             scale=self.scale)
         output.view(-1, H, D)[:n] = out.to(output.dtype)
         return output
 

@@ -30,6 +30,8 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };  /* dtype codes, as decode_c.py passes them
 #define MAX_D 512
 #define ALIGN __attribute__((aligned(64)))
 
+static inline int64_t elem_bytes(int64_t dt) { return dt == F32 ? 4 : 2; }
+
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {  /* zero or subnormal: man * 2^-24 */
@@ -471,7 +473,7 @@ static inline uint16_t float_to_bf16(float f) {
 static void convert(const void *p, int dt, int64_t n, void *restrict out, int odt) {
     float ALIGN tmp[MAX_D];
     if (dt == odt) {
-        memcpy(out, p, (size_t)n * (dt == F32 ? 4 : 2));
+        memcpy(out, p, (size_t)(n * elem_bytes(dt)));
         return;
     }
     float *f = odt == F32 ? (float *)out : tmp;
@@ -496,7 +498,7 @@ typedef struct {
 /* Returns 0, or -1 when head_dim is beyond the fixed arrays. */
 int qsinkkv_store_rows(const Store *s) {
     if (s->D > MAX_D || s->D < 1) return -1;
-    const int64_t xe = s->x_dtype == F32 ? 4 : 2, pe = s->pool_dtype == F32 ? 4 : 2;
+    const int64_t xe = elem_bytes(s->x_dtype), pe = elem_bytes(s->pool_dtype);
     for (int64_t i = 0; i < s->n; i++) {
         const int64_t r = s->ring_rows[i], rpb = s->rows_per_block;
         const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (r / rpb) * s->table_st1];
@@ -571,8 +573,8 @@ typedef struct {
  * of memory; else 0. */
 int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     const int64_t H = a->Hkv, D = a->D, bs = a->bs, F = c->float_rows, nf = a->float_slots, nq = a->quant_slots;
-    const int64_t K = a->groups, gsz = K ? D / K : D, Dc = a->bits == 4 ? D / 2 : D, xe = c->x_dtype == F32 ? 4 : 2;
-    const int64_t we = a->window_dtype == F32 ? 4 : 2, se = a->scale_dtype == F32 ? 4 : 2;
+    const int64_t K = a->groups, gsz = K ? D / K : D, Dc = a->bits == 4 ? D / 2 : D, xe = elem_bytes(c->x_dtype);
+    const int64_t we = elem_bytes(a->window_dtype), se = elem_bytes(a->scale_dtype);
     const int qmax = (1 << a->bits) - 1, sdt = (int)a->scale_dtype;
     if (D > MAX_D || D < 1 || K < 1 || nq < 1) return -1;
     const int64_t per = H * bs * D;  /* one block, all heads: [H, bs, D] */
@@ -595,9 +597,9 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
                             for (int64_t d = 0; d < D; d++) row[d] = round_to(row[d], (int)a->window_dtype);
                     } else {
                         const int64_t ring = (blk * bs + t) % F, fblk = a->float_table[b * nf + ring / bs];
-                        const int64_t at = h * a->st[kv ? FLOAT_V : FLOAT_K][0] + fblk * a->st[kv ? FLOAT_V : FLOAT_K][1]
-                                           + (ring % bs) * D;
-                        load((const char *)pool + at * we, (int)a->window_dtype, 0, (int)D, row);
+                        const int64_t off = h * a->st[kv ? FLOAT_V : FLOAT_K][0] + fblk * a->st[kv ? FLOAT_V : FLOAT_K][1]
+                                            + (ring % bs) * D;
+                        load((const char *)pool + off * we, (int)a->window_dtype, 0, (int)D, row);
                     }
                 }
         }
@@ -653,7 +655,7 @@ int64_t qsinkkv_complete_size(void) { return (int64_t)sizeof(Complete); }
 /* Every value of n rows of D (dtype dt, rows `stride` apart) below `bound` in magnitude (NaN is not) */
 static int all_below(const void *x, int dt, int64_t n, int64_t D, int64_t stride, float bound) {
     float ALIGN row[MAX_D];
-    const int64_t e = dt == F32 ? 4 : 2;
+    const int64_t e = elem_bytes(dt);
     for (int64_t i = 0; i < n; i++) {
         load((const char *)x + i * stride * e, dt, 0, (int)D, row);
         int ok = 1;
@@ -668,7 +670,7 @@ static int all_below(const void *x, int dt, int64_t n, int64_t D, int64_t stride
  * k, v a value |x| >= kv_bound, -3 (nothing written) when a block's scale overflows, else 0. Row b's new token
  * is token b of k, v (`floats`' x_k, x_v; `complete` reads the same). */
 int qsinkkv_engine_write(const Args *a, const Complete *complete, const Store *floats, float kv_bound) {
-    const int64_t B = a->B, Hkv = a->Hkv, D = a->D, e = floats->x_dtype == F32 ? 4 : 2;
+    const int64_t B = a->B, Hkv = a->Hkv, D = a->D, e = elem_bytes(floats->x_dtype);
     if (!all_below(a->q, F32, B * Hkv * a->G, D, D, INFINITY)) return -4;
     for (int64_t i = 0; i < B; i++)
         for (int kv = 0; kv < 2; kv++)

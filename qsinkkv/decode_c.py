@@ -387,10 +387,9 @@ class EngineDecode:
     are laid out otherwise: the caller then runs ``attend_packed``, which raises by name."""
 
     def __init__(self, store: LayerStorage):
-        layout, B = store.layout, store.batch_size
-        self.held = store.seq_lens.clone()
-        self.plan = write._one_token_plan(layout, tuple(self.held.tolist()), tuple(range(B)))
-        self.bias = layout.visible_bias(self.held + 1, store.device)
+        layout, B, held = store.layout, store.batch_size, store.seq_lens
+        self.plan = write._one_token_plan(layout, tuple(held.tolist()), tuple(range(B)))
+        self.bias = layout.visible_bias(held + 1, store.device)
         self.index = [t.contiguous() for t in (self.plan.full_at, self.plan.full_rows, self.plan.full_block,
                                                 self.plan.full_new, self.plan.float_at, self.plan.float_rows,
                                                 self.plan.float_row)]

@@ -235,10 +235,11 @@ def _decode_units(a: _Args, units: int, per_unit: int) -> None:
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
 
 
-def _args(s: LayerStorage, keep: list, **call) -> _Args:
-    """The C struct over storage ``s`` (its pools, tables, sizes and dtypes) and the call's own fields."""
+def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _Args:
+    """The C struct over storage ``s`` (its pools, tables, sizes and dtypes; ``pools``: ``_pools(s)`` if the caller
+    has it) and the call's own fields."""
     cfg = s.layout.config
-    pointers, strides = _pools(s, keep)
+    pointers, strides = pools or _pools(s, keep)
     ptr = lambda t: _contiguous(t, keep).data_ptr()  # noqa: E731
     return _Args(Hkv=s.num_kv_heads, D=s.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
                  quant_slots=s.layout.quant_slots, float_slots=s.layout.float_slots, bits=cfg.bits,
@@ -403,14 +404,14 @@ class EngineDecode:
                                                                         store.quant_table))):
             return None
         keep = []
-        _pools(store, keep)
+        pools = _pools(store, keep)
         if keep:  # a pool copied (its blocks not contiguous): writing the copy would not write the pool
             return None
         B, H, D = q.shape
         Hkv = store.num_kv_heads
         q32 = q.to(torch.float32).contiguous()
         out = torch.empty(B, H, D, dtype=torch.float32)
-        a = _args(store, keep, B=B, G=H // Hkv, q=q32.data_ptr(), bias=self.bias.data_ptr(), sink_logits=None,
+        a = _args(store, keep, pools, B=B, G=H // Hkv, q=q32.data_ptr(), bias=self.bias.data_ptr(), sink_logits=None,
                   scale=D ** -0.5 if scale is None else scale, out=out.data_ptr())
         c = _complete_struct(store, k, v, self.index[:4], keep)
         st = _store_struct(store.float_k, store.float_v, store.float_table, k, v, self.index[4:],

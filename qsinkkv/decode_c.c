@@ -160,12 +160,24 @@ static inline void widen_nibbles(const uint8_t *restrict c, float *restrict lo, 
 static inline void unpack(const uint8_t *restrict c, int bits, int64_t D, float *restrict out) {
     int64_t d = 0;
     if (bits == 8) {
+#ifdef __AVX512F__
+        for (; d + 16 <= D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d)))));
+#endif
         for (; d + 8 <= D; d += 8) widen(c + d, out + d);
         for (; d < D; d++) out[d] = (float)c[d];
         return;
     }
     const int64_t half = D / 2;
     if (half % 8 == 0) {
+#ifdef __AVX512F__
+        const __m512i low = _mm512_set1_epi32(15);
+        for (; d + 16 <= half; d += 16) {  /* 16 bytes -> 32 codes */
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d)));
+            _mm512_storeu_ps(out + d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)));
+            _mm512_storeu_ps(out + half + d, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
+        }
+#endif
         for (; d < half; d += 8) widen_nibbles(c + d, out + d, out + half + d);
         return;
     }
@@ -175,11 +187,20 @@ static inline void unpack(const uint8_t *restrict c, int bits, int64_t D, float 
     }
 }
 
-/* the offsets t < n where bias[t] is 0 (seen), in order, into idx; returns how many */
+/* the offsets t < n where bias[t] is 0 (seen), in order, into idx; returns how many (no branch per row: a
+ * block's seen rows are one run, but where it starts differs from block to block) */
 static inline int64_t seen_rows(const float *bias, int64_t n, int64_t *restrict idx) {
+    int all = 1;  /* the common case, every row seen, in a few vector compares */
+    for (int64_t t = 0; t < n; t++) all &= bias[t] == 0.0f;
+    if (all) {
+        for (int64_t t = 0; t < n; t++) idx[t] = t;
+        return n;
+    }
     int64_t count = 0;
-    for (int64_t t = 0; t < n; t++)
-        if (bias[t] == 0.0f) idx[count++] = t;
+    for (int64_t t = 0; t < n; t++) {
+        idx[count] = t;
+        count += bias[t] == 0.0f;
+    }
     return count;
 }
 
@@ -204,11 +225,11 @@ static inline v8 hsum8(const vr *a) {
 }
 #endif
 
-/* sc[g * Ns + idx[i]] = qx[g] . rows[i] (+ qz[g]) for the n packed rows (Dp floats apart): eight rows at a time
+/* sc[g * Ns + i] = qx[g] . rows[i] (+ qz[g]) for the n packed rows (Dp floats apart): eight rows at a time
  * where the machine has AVX (their sums reduced together), the rest one by one. Which rows go which way depends
  * on n alone, so a sequence's scores do not depend on its batch */
 static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t Dp, float (*qx)[MAX_D],
-                              const float *qz, float *sc, int64_t Ns, const int64_t *idx, int64_t Vn) {
+                              const float *qz, float *sc, int64_t Ns, int64_t Vn) {
     int64_t i = 0;
 #ifdef __AVX__
     for (; i + 8 <= n; i += 8)
@@ -221,13 +242,13 @@ static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t 
                 p[j] = s;
             }
             const v8 s8 = hsum8(p);
-            for (int j = 0; j < 8; j++) sc[g * Ns + idx[i + j]] = qz ? s8[j] + qz[g] : s8[j];
+            for (int j = 0; j < 8; j++) sc[g * Ns + i + j] = qz ? s8[j] + qz[g] : s8[j];
         }
 #endif
     for (; i < n; i++)
         for (int64_t g = 0; g < ng; g++) {
             const float s = dot(qx[g], rows + i * Dp, Vn);
-            sc[g * Ns + idx[i]] = qz ? s + qz[g] : s;
+            sc[g * Ns + i] = qz ? s + qz[g] : s;
         }
 }
 
@@ -274,135 +295,152 @@ typedef struct {
     int64_t sink_dtype, window_dtype, scale_dtype;
     /* tables: sink [B], float [B, float_slots], quant [B, quant_slots] (int64, -1: none) */
     const int64_t *sink_table, *float_table, *quant_table;
-    const float *q;            /* [B, Hkv * G, D] float32 */
+    const void *q;             /* [B, Hkv * G, D] of q_dtype, rows of D contiguous, tokens q_stride elements apart */
     const float *bias;         /* [B, N] float32: 0 seen, -inf not */
     const float *sink_logits;  /* [Hkv * G] float32, or NULL */
     float scale;
-    float *out;                /* [B, Hkv * G, D] float32 */
+    void *out;                 /* [B, Hkv * G, D] contiguous, of out_dtype (rounded as torch's .to() rounds) */
     /* (head, block) strides in elements of each pool, in the order of the pointers above: sink_k, sink_v,
      * float_k, float_v, key_scale, key_zero, value_scale, value_zero, key_codes, value_codes. Within a block a
      * pool is contiguous; the blocks need not be (an engine's pages hold every tensor of a block together) */
     int64_t st[10][2];
+    int64_t q_dtype, q_stride, out_dtype;
 } Args;
+
+static inline void store_scalar(void *p, int dt, int64_t i, float x);
 
 enum { SINK_K, SINK_V, FLOAT_K, FLOAT_V, KEY_SCALE, KEY_ZERO, VALUE_SCALE, VALUE_ZERO, KEY_CODES, VALUE_CODES };
 /* element offset of block `blk` of head `h` in pool `p` */
 #define AT(p, h, blk) ((h) * a->st[p][0] + (blk) * a->st[p][1])
 
 /* units [u0, u1) of h * B + b. Scratch: `scores` 8 rows of Ns floats, each row 64-byte aligned (so that the
- * vectorized softmax splits every row the same way, whatever the call); `rows` R rows of Dp floats (zero
- * past D), the seen rows of one segment (the sinks, a quantized block, a float-ring block) as float32;
- * `w` [8, R] their probabilities; `vs`, `vz` [R, groups] a quantized block's value scales and zeros; `idx` [R]
- * their offsets in the segment */
-static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, float *rows, float *w, float *vs,
-                         float *vz, int64_t *idx) {
+ * vectorized softmax splits every row the same way, whatever the call): row g holds head g's scores of the seen
+ * rows only, packed in slot order (the sinks, the quantized ring, the float ring), so that the softmax runs over
+ * what the query sees and each segment's probabilities lie together for its values; `rows` R rows of Dp floats
+ * (zero past D), the seen rows of one segment (the sinks, a quantized block, a float-ring block) as float32;
+ * `vs`, `vz` [R, groups] a quantized block's value scales and zeros (of its seen rows, or of all its rows when
+ * every one is seen: one load); `idx` [R] the seen rows' offsets in the segment */
+static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, float *rows, float *vs, float *vz,
+                         int64_t *idx) {
     const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots, nf = a->float_slots;
     const int64_t N = S + nq * bs + nf * bs, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
     const int64_t Vn = (D + LANES - 1) / LANES, Dp = Vn * LANES, groups = a->groups, gsz = groups ? D / groups : D;
-    const int64_t R = S > bs ? S : bs;
     /* value groups of whole vectors are dequantized in registers as they are added; others row by row first */
     const int in_registers = groups && gsz % LANES == 0;
     /* zeroed once: nothing below writes past D, so the padding stays 0 */
-    float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ks[MAX_D], kz[MAX_D], qz[8];
+    float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ALIGN kz[MAX_D] = {0}, ks[MAX_D],
+          qz[8];
     for (int64_t u = u0; u < u1; u++) {
         const int64_t h = u / a->B, b = u % a->B;
         const float *bias = a->bias + b * N;
         for (int64_t g0 = 0; g0 < G; g0 += 8) {  /* query heads 8 at a time */
             const int64_t ng = G - g0 < 8 ? G - g0 : 8;
             for (int64_t g = 0; g < ng; g++) {
-                const float *src = a->q + (b * a->Hkv * G + h * G + g0 + g) * D;
-                for (int64_t d = 0; d < D; d++) qg[g][d] = src[d] * a->scale;
+                load(a->q, (int)a->q_dtype, b * a->q_stride + (h * G + g0 + g) * D, (int)D, ks);  /* (ks: scratch) */
+                for (int64_t d = 0; d < D; d++) qg[g][d] = ks[d] * a->scale;
             }
-            float *sc = scores;  /* [ng, Ns] */
-            for (int64_t i = 0; i < ng * Ns; i++) sc[i] = -INFINITY;
-            for (int64_t g = 0; g < ng; g++) memset(acc[g], 0, sizeof acc[g]);
+            float *sc = scores;  /* [ng, Ns]: the seen rows' scores, packed */
+            int64_t c = 0;       /* how many so far */
+            for (int64_t g = 0; g < ng; g++) memset(acc[g], 0, (size_t)Dp * sizeof(float));
             /* keys: sinks */
             const int64_t page = S ? a->sink_table[b] : 0;
             int64_t n = seen_rows(bias, S, idx);
             for (int64_t i = 0; i < n; i++) load(a->sink_k, a->sink_dtype, AT(SINK_K, h, page) + idx[i] * D, D, rows + i * Dp);
-            score_rows(ng, n, rows, Dp, qg, NULL, sc, Ns, idx, Vn);
+            score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn);
+            c += n;
             /* keys: quantized ring, the scales folded into the query once per block */
             for (int64_t j = 0; j < nq; j++) {
-                const int64_t blk = a->quant_table[b * nq + j], n0 = S + j * bs;
-                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
+                const int64_t blk = a->quant_table[b * nq + j];
+                if (blk < 0 || !(n = seen_rows(bias + S + j * bs, bs, idx))) continue;
                 load(a->key_scale, a->scale_dtype, AT(KEY_SCALE, h, blk), D, ks);
                 load(a->key_zero, a->scale_dtype, AT(KEY_ZERO, h, blk), D, kz);
                 for (int64_t g = 0; g < ng; g++) {
                     for (int64_t d = 0; d < D; d++) qs[g][d] = qg[g][d] * ks[d];
-                    float z = 0.0f;  /* (kz is not padded: a plain loop) */
-                    for (int64_t d = 0; d < D; d++) z += qg[g][d] * kz[d];
-                    qz[g] = z;
+                    qz[g] = dot(qg[g], kz, Vn);
                 }
                 const uint8_t *codes = a->key_codes + AT(KEY_CODES, h, blk);
                 for (int64_t i = 0; i < n; i++) unpack(codes + idx[i] * Dc, a->bits, D, rows + i * Dp);
-                score_rows(ng, n, rows, Dp, qs, qz, sc + n0, Ns, idx, Vn);
+                score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn);
+                c += n;
             }
             /* keys: float ring, a block at a time */
             for (int64_t f = 0; f < nf; f++) {
-                const int64_t blk = a->float_table[b * nf + f], n0 = S + nq * bs + f * bs;
-                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
+                const int64_t blk = a->float_table[b * nf + f];
+                if (blk < 0 || !(n = seen_rows(bias + S + nq * bs + f * bs, bs, idx))) continue;
                 for (int64_t i = 0; i < n; i++)
                     load(a->float_k, a->window_dtype, AT(FLOAT_K, h, blk) + idx[i] * D, D, rows + i * Dp);
-                score_rows(ng, n, rows, Dp, qg, NULL, sc + n0, Ns, idx, Vn);
+                score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn);
+                c += n;
             }
-            /* softmax (unnormalized; a learned sink logit adds a term with no value) */
+            /* softmax over the c seen scores (unnormalized; a learned sink logit adds a term with no value) */
+            const int64_t cv = (c + 7) / 8 * 8;  /* whole vectors: the padding is -inf, its e^x 0 */
             float sum[8];
             for (int64_t g = 0; g < ng; g++) {
-                float *x = sc + g * Ns, m = -INFINITY, total = 0.0f;
+                float *x = sc + g * Ns, m = -INFINITY;
                 const float sl = a->sink_logits ? a->sink_logits[h * G + g0 + g] : -INFINITY;
+                for (int64_t t = c; t < cv; t++) x[t] = -INFINITY;
 #pragma omp simd reduction(max : m)
-                for (int64_t t = 0; t < N; t++) m = x[t] > m ? x[t] : m;
+                for (int64_t t = 0; t < c; t++) m = x[t] > m ? x[t] : m;
                 m = sl > m ? sl : m;
                 if (m == -INFINITY) {  /* nothing visible (a sequence with no token): output 0 */
                     sum[g] = 0.0f;
                     continue;
                 }
-                v8 t = {0};  /* over whole vectors: the row's padding is -inf, its e^x 0 */
-                for (int64_t v = 0; v < Ns / 8; v++) {
+                v8 t = {0};
+                for (int64_t v = 0; v < cv / 8; v++) {
                     V(x)[v] = exp_nonpositive(V(x)[v] - m);
                     t += V(x)[v];
                 }
-                total = hsum(t);
-                sum[g] = total + (a->sink_logits ? expf(sl - m) : 0.0f);
+                sum[g] = hsum(t) + (a->sink_logits ? expf(sl - m) : 0.0f);
             }
-            /* values: sinks, then the quantized ring, then the float ring, each a segment of packed seen rows */
+            /* values: the same segments in the same order (each one's probabilities at sc + c), packed rows */
+            c = 0;
             n = seen_rows(bias, S, idx);
-            for (int64_t i = 0; i < n; i++) {
-                load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + idx[i] * D, D, rows + i * Dp);
-                for (int64_t g = 0; g < ng; g++) w[g * R + i] = sc[g * Ns + idx[i]];
-            }
-            accumulate(ng, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc);
+            for (int64_t i = 0; i < n; i++) load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + idx[i] * D, D, rows + i * Dp);
+            accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
+            c += n;
             for (int64_t j = 0; j < nq; j++) {
-                const int64_t blk = a->quant_table[b * nq + j], n0 = S + j * bs;
-                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
+                const int64_t blk = a->quant_table[b * nq + j];
+                if (blk < 0 || !(n = seen_rows(bias + S + j * bs, bs, idx))) continue;
                 const uint8_t *codes = a->value_codes + AT(VALUE_CODES, h, blk);
+                const int whole = n == bs;  /* every row seen: idx[i] == i */
+                if (whole) {
+                    load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk), bs * groups, vs);
+                    load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk), bs * groups, vz);
+                }
                 for (int64_t i = 0; i < n; i++) {
                     const int64_t t = idx[i];
                     float *row = rows + i * Dp, *s = vs + i * groups, *z = vz + i * groups;
                     unpack(codes + t * Dc, a->bits, D, row);
-                    load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk) + t * groups, groups, s);
-                    load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk) + t * groups, groups, z);
-                    for (int64_t g = 0; g < ng; g++) w[g * R + i] = sc[g * Ns + n0 + t];
+                    if (!whole) {
+                        load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk) + t * groups, groups, s);
+                        load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk) + t * groups, groups, z);
+                    }
                     if (!in_registers)  /* the token's values, dequantized */
                         for (int64_t k = 0; k < groups; k++)
                             for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) row[d] = row[d] * s[k] + z[k];
                 }
-                if (in_registers) accumulate(ng, n, rows, Dp, w, R, vs, vz, groups, gsz / LANES, Vn, acc);
-                else accumulate(ng, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc);
+                if (in_registers) accumulate(ng, n, rows, Dp, sc + c, Ns, vs, vz, groups, gsz / LANES, Vn, acc);
+                else accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
+                c += n;
             }
             for (int64_t f = 0; f < nf; f++) {
-                const int64_t blk = a->float_table[b * nf + f], n0 = S + nq * bs + f * bs;
-                if (blk < 0 || !(n = seen_rows(bias + n0, bs, idx))) continue;
-                for (int64_t i = 0; i < n; i++) {
+                const int64_t blk = a->float_table[b * nf + f];
+                if (blk < 0 || !(n = seen_rows(bias + S + nq * bs + f * bs, bs, idx))) continue;
+                for (int64_t i = 0; i < n; i++)
                     load(a->float_v, a->window_dtype, AT(FLOAT_V, h, blk) + idx[i] * D, D, rows + i * Dp);
-                    for (int64_t g = 0; g < ng; g++) w[g * R + i] = sc[g * Ns + n0 + idx[i]];
-                }
-                accumulate(ng, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc);
+                accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
+                c += n;
             }
             for (int64_t g = 0; g < ng; g++) {
-                float *dst = a->out + (b * a->Hkv * G + h * G + g0 + g) * D;
+                const int64_t at = (b * a->Hkv * G + h * G + g0 + g) * D;
                 const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
-                for (int64_t d = 0; d < D; d++) dst[d] = sum[g] > 0.0f ? acc[g][d] * inv : 0.0f;
+                if (a->out_dtype == F32) {
+                    float *dst = (float *)a->out + at;
+                    for (int64_t d = 0; d < D; d++) dst[d] = sum[g] > 0.0f ? acc[g][d] * inv : 0.0f;
+                } else {
+                    for (int64_t d = 0; d < D; d++) store_scalar(a->out, (int)a->out_dtype, at + d, sum[g] > 0.0f ? acc[g][d] * inv : 0.0f);
+                }
             }
         }
     }
@@ -416,19 +454,17 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     const size_t rows_bytes = (size_t)(R * Dp) * sizeof(float);
     float *scores = aligned_alloc(64, (size_t)(8 * Ns) * sizeof(float));
     float *rows = aligned_alloc(64, (rows_bytes + 63) / 64 * 64);
-    float *w = malloc((size_t)(8 * R) * sizeof(float)), *vs = malloc((size_t)(R * K) * sizeof(float)),
-          *vz = malloc((size_t)(R * K) * sizeof(float));
+    float *vs = malloc((size_t)(R * K) * sizeof(float)), *vz = malloc((size_t)(R * K) * sizeof(float));
     int64_t *idx = malloc((size_t)R * sizeof(int64_t));
     int code = 0;
-    if (scores && rows && w && vs && vz && idx) {
+    if (scores && rows && vs && vz && idx) {
         memset(rows, 0, rows_bytes);
-        attend_units(a, u0, u1, scores, rows, w, vs, vz, idx);
+        attend_units(a, u0, u1, scores, rows, vs, vz, idx);
     } else {
         code = -2;
     }
     free(scores);
     free(rows);
-    free(w);
     free(vs);
     free(vz);
     free(idx);
@@ -671,7 +707,9 @@ static int all_below(const void *x, int dt, int64_t n, int64_t D, int64_t stride
  * is token b of k, v (`floats`' x_k, x_v; `complete` reads the same). */
 int qsinkkv_engine_write(const Args *a, const Complete *complete, const Store *floats, float kv_bound) {
     const int64_t B = a->B, Hkv = a->Hkv, D = a->D, e = elem_bytes(floats->x_dtype);
-    if (!all_below(a->q, F32, B * Hkv * a->G, D, D, INFINITY)) return -4;
+    const int64_t qe = elem_bytes(a->q_dtype);
+    for (int64_t i = 0; i < B; i++)
+        if (!all_below((const char *)a->q + i * a->q_stride * qe, (int)a->q_dtype, Hkv * a->G, D, D, INFINITY)) return -4;
     for (int64_t i = 0; i < B; i++)
         for (int kv = 0; kv < 2; kv++)
             if (!all_below((const char *)(kv ? floats->x_v : floats->x_k) + i * floats->x_stride * e,

@@ -47,7 +47,8 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_int64) for n in ("sink_dtype", "window_dtype", "scale_dtype")]
                 + [(n, ctypes.c_void_p) for n in ("sink_table", "float_table", "quant_table", "q", "bias",
                                                   "sink_logits")]
-                + [("scale", ctypes.c_float), ("out", ctypes.c_void_p), ("st", ctypes.c_int64 * 2 * 10)])
+                + [("scale", ctypes.c_float), ("out", ctypes.c_void_p), ("st", ctypes.c_int64 * 2 * 10)]
+                + [(n, ctypes.c_int64) for n in ("q_dtype", "q_stride", "out_dtype")])
 
 class _Complete(ctypes.Structure):
     _fields_ = ([("n", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")]
@@ -205,14 +206,14 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
         raise ValueError(f"the C decode takes head_dim <= {MAX_HEAD_DIM}, got {D}")
     if s.device.type != "cpu":
         raise ValueError(f"the C decode reads CPU tensors, got the storage on {s.device}")
-    q32 = q.to(torch.float32).contiguous()
     bias = s.layout.visible_bias(s.seq_lens, s.device)
     logits = None if sink_logits is None else sink_logits.to(torch.float32).contiguous()
-    out = torch.empty(B, H, D, dtype=torch.float32)
-    keep = [q32, bias, logits]  # alive until the call returns
-    a = _args(s, keep, B=B, G=H // Hkv, q=q32.data_ptr(), bias=bias.data_ptr(),
-              sink_logits=None if logits is None else logits.data_ptr(), scale=D ** -0.5 if scale is None else scale,
-              out=out.data_ptr())
+    keep = [bias, logits]  # alive until the call returns
+    qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
+    out = torch.empty(B, H, D, dtype=qr.dtype)  # written in q's dtype, rounded as .to() rounds
+    a = _args(s, keep, B=B, G=H // Hkv, q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype], q_stride=q_stride,
+              bias=bias.data_ptr(), sink_logits=None if logits is None else logits.data_ptr(),
+              scale=D ** -0.5 if scale is None else scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
     _decode_units(a, Hkv * B, s.layout.num_slots * D)
     return out.to(q.dtype)
 
@@ -397,22 +398,29 @@ class EngineDecode:
         self.tables = (store.sink_table, store.float_table, store.quant_table)
         self.layout = layout
 
-    def run(self, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
-        """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` float32, stored into ``store``
-        (this step's record of a layer: the same tables, other pools), or None (nothing written)."""
-        if _lib is None or any(t is not u for t, u in zip(self.tables, (store.sink_table, store.float_table,
-                                                                        store.quant_table))):
+    def run(self, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+            out: Tensor | None = None) -> Tensor | None:
+        """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` in q's dtype (or into ``out``, a
+        contiguous ``[B, H, D]`` float32/bf16/fp16 tensor, rounded as ``.to()`` rounds), stored into ``store`` (this
+        step's record of a layer: the same tables, other pools), or None (nothing written)."""
+        if _lib is None or q.dtype not in _DTYPES or any(
+                t is not u for t, u in zip(self.tables, (store.sink_table, store.float_table, store.quant_table))):
             return None
+        if out is not None and (out.shape != q.shape or out.dtype not in _DTYPES or not out.is_contiguous()
+                                or out.device.type != "cpu"):
+            raise ValueError(f"out must be a contiguous CPU {list(q.shape)} tensor of float32, bfloat16 or float16, "
+                             f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
         keep = []
         pools = _pools(store, keep)
         if keep:  # a pool copied (its blocks not contiguous): writing the copy would not write the pool
             return None
         B, H, D = q.shape
         Hkv = store.num_kv_heads
-        q32 = q.to(torch.float32).contiguous()
-        out = torch.empty(B, H, D, dtype=torch.float32)
-        a = _args(store, keep, pools, B=B, G=H // Hkv, q=q32.data_ptr(), bias=self.bias.data_ptr(), sink_logits=None,
-                  scale=D ** -0.5 if scale is None else scale, out=out.data_ptr())
+        q, q_stride = _rows(q, keep)
+        out = torch.empty(B, H, D, dtype=q.dtype) if out is None else out
+        a = _args(store, keep, pools, B=B, G=H // Hkv, q=q.data_ptr(), q_dtype=_DTYPES[q.dtype], q_stride=q_stride,
+                  bias=self.bias.data_ptr(), sink_logits=None, scale=D ** -0.5 if scale is None else scale,
+                  out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
         c = _complete_struct(store, k, v, self.index[:4], keep)
         st = _store_struct(store.float_k, store.float_v, store.float_table, k, v, self.index[4:],
                            self.layout.block_size, keep)

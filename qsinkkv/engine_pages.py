@@ -261,15 +261,18 @@ class DecodeStep:
         return self.decoding and ops.engine_decode is not None
 
     def attend(self, ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, *,
-               scale: float | None = None) -> Tensor:
+               scale: float | None = None, out: Tensor | None = None) -> Tensor:
+        """``attend_packed``'s result in q's dtype, or written into ``out`` (``[N, H, D]``, contiguous; the engine's
+        output buffer: a fused step writes it in place, in its dtype) and returned."""
         if self.fused(ops):
             if self._engine is None:
                 self._engine = ops.engine_decode(store)
-            out = self._engine.run(store, q, k, v, scale)
-            if out is not None:
+            done = self._engine.run(store, q, k, v, scale, out)
+            if done is not None:
                 self.fused_layers += 1
-                return out.to(q.dtype)
-        return attend_packed(ops, read, store, q, k, v, qsl, scale=scale)
+                return done
+        result = attend_packed(ops, read, store, q, k, v, qsl, scale=scale)
+        return result if out is None else out.copy_(result)
 
 
 def _numel(shape) -> int:

@@ -54,6 +54,8 @@ def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage
         return prefill_attention_reference(q, k, v, layer, lengths, scale=scale, sink_logits=sink_logits)
     cfg = layer.layout.config
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if q.shape[0] and q.shape[2] <= cfg.sink_tokens + cfg.recent_tokens and int(layer.seq_lens.max()) == 0:
+        return _fresh_causal(q, k, v, lengths, scale, work)
 
     def attend(q_t, k_t, v_t, q_pos, k_pos):
         seen = visible_mask(q_pos, k_pos, cfg.sink_tokens, cfg.recent_tokens).unsqueeze(1)  # [B, 1, t, N]
@@ -62,6 +64,29 @@ def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage
                                              enable_gqa=q_t.shape[1] != k_t.shape[1])
         return out.to(q_t.dtype)
     return _in_tiles(q, k, v, layer, lengths, attend)
+
+
+def _fresh_causal(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float | None, work: torch.dtype) -> Tensor:
+    """A chunk into rows that hold nothing yet, no longer than S + W: every query sees all the chunk keys up to
+    its own (the window of query t, ``(t - W, t]``, reaches back past the sinks), so the visible set is the
+    causal mask and nothing stored is read. SDPA's causal kernel per row, on its real tokens only (a step of
+    ragged prompts costs the sum of their squares, not B x T_max^2; padding is never read); rows of one
+    length go in one call."""
+    B, _, T, _ = q.shape
+    sizes = lengths.tolist()
+    out = q.new_zeros(q.shape)
+
+    def attend(rows: slice, t: int) -> None:
+        x = [y[rows, :, :t].to(work) for y in (q, k, v)]
+        out[rows, :, :t] = F.scaled_dot_product_attention(*x, is_causal=True, scale=scale,
+                                                          enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
+    if all(t == T for t in sizes):
+        attend(slice(0, B), T)
+    else:
+        for b, t in enumerate(sizes):
+            if t:
+                attend(slice(b, b + 1), t)
+    return out
 
 
 def _in_tiles(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, attend) -> Tensor:

@@ -90,11 +90,12 @@ def _schedule(seed, steps=40):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("backend", ["torch", "c"])
 @pytest.mark.parametrize("shuffled", [False, True])
-@pytest.mark.parametrize("through", ["attend_packed", "DecodeStep"])
+@pytest.mark.parametrize("through", ["attend_packed", "DecodeStep", "DecodeStep into bf16"])
 def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
     """Rows in PagedCache's order: bit for bit. In the engine's own order (shuffled): within float32 rounding
     (the prefill's SDPA sums a batch's rows in another order). ``DecodeStep`` (what the vLLM backend calls: the
-    decode steps in two C calls on the c backend) gives the same."""
+    decode steps in two C calls on the c backend) gives the same; written into the engine's bf16 output buffer
+    (``out=``), the same bits as PagedCache's result rounded by ``.to(bfloat16)``."""
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=bits, block_size=8, value_group_size=8,
                       sink_dtype=torch.bfloat16, window_dtype=torch.bfloat16, scale_dtype=torch.float16)
     layout = WindowLayout(cfg)
@@ -135,9 +136,12 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
         tables = step_tables(layout, engine.block_table(seqs, width), before, lens)
         ring = rings.rings(tables[0], before)
         read, store = storages(pools, float_k, float_v, layout, tables, ring_table(layout, ring), before)
-        if through == "DecodeStep":
+        into = None
+        if through.startswith("DecodeStep"):
             decode_step = DecodeStep(before, lens, cfg.sink_tokens)
-            out = decode_step.attend(ops, read, store, q, k, v, qsl)
+            into = torch.full(q.shape, float("nan"), dtype=torch.bfloat16) if through.endswith("bf16") else None
+            out = decode_step.attend(ops, read, store, q, k, v, qsl, out=into)
+            assert into is None or out is into
             fused += decode_step.fused_layers
             store.seq_lens += lens * decode_step.fused_layers  # (a fused step advances no record: they are the step's)
         else:
@@ -150,7 +154,11 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
         order = torch.cat([torch.arange(int(qsl[row_of[sid]]), int(qsl[row_of[sid] + 1]))
                            for sid in rows if sid in row_of])
         expect = ref.attend_packed(0, q[order].float(), k[order].float(), v[order].float(), ref_qsl)
-        if shuffled:
+        if into is not None:
+            expect = expect.to(torch.bfloat16)
+        if shuffled and into is not None:  # (float32 rounding, then bf16's: one bf16 ulp at most)
+            torch.testing.assert_close(out[order].float(), expect.float(), rtol=2 ** -7, atol=1e-6)
+        elif shuffled:
             torch.testing.assert_close(out[order], expect, rtol=0, atol=1e-6)
         else:
             assert torch.equal(out[order], expect), f"step {step}: max diff {(out[order] - expect).abs().max()}"
@@ -162,7 +170,7 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
             ref.release(ids.pop(s))
             del held[s]
         assert rings.in_use() == len(ids)
-    assert (fused >= 5) == (through == "DecodeStep" and backend == "c"), fused
+    assert (fused >= 5) == (through.startswith("DecodeStep") and backend == "c"), fused
 
 
 def step_by_id(step, ids, sid):
@@ -235,11 +243,12 @@ def test_refused_step_changes_no_page_ring_or_length():
     assert store.seq_lens.tolist() == [12, 5]
 
 
-@pytest.mark.parametrize("bad", ["k", "v", "q", "scale"])
+@pytest.mark.parametrize("bad", ["k", "v", "q", "scale", "out"])
 def test_a_refused_decode_step_runs_the_named_refusal(bad):
     """A decode step (every row one token) that the fused C path refuses -- non-finite k, v or q, or a block
     whose scale overflows fp16 -- writes nothing there and falls to ``attend_packed``, which raises by name:
-    every page byte, both float pools and the lengths stay as they were."""
+    every page byte, both float pools and the lengths stay as they were. An output buffer it cannot write
+    (float64) is refused by name before anything is written."""
     if not select_ops("auto", torch.device("cpu"), D, None).engine_decode:
         pytest.skip("no C decode")
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
@@ -259,18 +268,19 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
             torch.randn(N, Hkv, D, generator=g)
         if poison == "scale":   # row 1 completes a block at this step: a value beyond fp16 cannot be its zero
             k[1, 0, 0] = -1e6
-        elif poison:
+        elif poison in ("k", "v", "q"):
             {"k": k, "v": v, "q": q}[poison][1, 0, 1] = float("nan")
         tables = step_tables(layout, table, held, lens)
         read, store = storages(pools, float_k, float_v, layout, tables,
                                ring_table(layout, rings.rings(tables[0], held)), held)
         decode_step = DecodeStep(held, lens, cfg.sink_tokens)
         assert decode_step.fused(ops) == (poison is not None)
-        return decode_step.attend(ops, read, store, q, k, v, qsl)
+        out = torch.empty(q.shape, dtype=torch.float64) if poison == "out" else None
+        return decode_step.attend(ops, read, store, q, k, v, qsl, out=out)
 
     step(torch.tensor([0, 0]), torch.tensor([12, 10]))   # prompts (row 1 completes a block with its next token)
     held = torch.tensor([12, 10])
     before = (buf.clone(), float_k.clone(), float_v.clone())
-    with pytest.raises(ValueError, match="overflow scale_dtype" if bad == "scale" else bad):
+    with pytest.raises(ValueError, match={"scale": "overflow scale_dtype", "out": "out must be"}.get(bad, bad)):
         step(held, torch.tensor([1, 1]), poison=bad)
     assert torch.equal(buf, before[0]) and torch.equal(float_k, before[1]) and torch.equal(float_v, before[2])

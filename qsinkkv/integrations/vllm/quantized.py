@@ -108,9 +108,12 @@ class QuantImpl(AttentionImpl):
         read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, md.layout, md.tables, md.float_table,
                                md.held)
         H, D = self.num_heads, self.head_size
+        into = output.view(-1, H, D)[:n]
+        into = into if into.is_contiguous() else None
         out = md.step.attend(self.ops, read, store, query[:n].view(n, H, D), key[:n], value[:n], md.query_start_loc,
-                             scale=self.scale)
-        output.view(-1, H, D)[:n] = out.to(output.dtype)
+                             scale=self.scale, out=into)
+        if into is None:
+            output.view(-1, H, D)[:n] = out.to(output.dtype)
         return output
 
     def _pools(self, kv_cache: Tensor) -> dict[str, Tensor]:

@@ -258,11 +258,11 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
     busy = [n for n, t in zip(seq_lens.tolist(), lens) if t]
     if not k.shape[0] or min(busy) >= S:
         return peaks_fit(k, v, q, sink_logits, config.window_dtype) if k.numel() else {}
-    rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    starts = torch.tensor(lens).cumsum(0) - torch.tensor(lens)
+    counts = torch.tensor(lens)
+    rows = torch.repeat_interleave(torch.arange(len(lens)), counts)
+    starts = counts.cumsum(0) - counts
     position = seq_lens[rows] + torch.arange(k.shape[0]) - starts[rows]                  # [N] host
     to_sinks = (position < S).to(k.device)
-    inf = float("inf")
     named = {}
     for name, x in (("k", k), ("v", v)):
         top = peak(x.flatten(1), dim=1).double()                                        # [N]
@@ -270,13 +270,13 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
                             overflow_bound(config.window_dtype, x.dtype))
         named[name] = (top < bound).all()
     if q is not None:
-        named["q"] = peak(q) < inf
+        named["q"] = peak(q) < math.inf
     if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
-        named["sink_logits"] = torch.amax(sink_logits) < inf
+        named["sink_logits"] = torch.amax(sink_logits) < math.inf
     return dict(zip(named, torch.stack(list(named.values())).tolist()))
 
 
-def peak(x: Tensor, dim: int | None = None) -> Tensor:
+def peak(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
     """max |x| (over ``dim``, or all of x) in x's dtype: exact, NaN where any is NaN (PyTorch's max propagates
     it). (``abs().amax`` runs at memory speed on bf16; ``linalg.vector_norm(x, inf)`` was 10-20x slower.)"""
     return x.abs().amax() if dim is None else x.abs().amax(dim)
@@ -302,7 +302,7 @@ def all_finite(x: Tensor, where: Tensor | None = None) -> Tensor:
     """0-dim bool: ``x [B, heads, T, D]`` finite (only at the ``[B, T]`` positions ``where``, if given)."""
     if where is None:
         return peak(x) < math.inf
-    finite = x.abs().amax(dim=(1, 3)) < math.inf                        # [B, T] (NaN: False)
+    finite = peak(x, dim=(1, 3)) < math.inf                             # [B, T] (NaN: False)
     return ~(~finite & where.to(x.device)).any()
 
 

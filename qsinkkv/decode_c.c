@@ -336,8 +336,8 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
         for (int64_t g0 = 0; g0 < G; g0 += 8) {  /* query heads 8 at a time */
             const int64_t ng = G - g0 < 8 ? G - g0 : 8;
             for (int64_t g = 0; g < ng; g++) {
-                load(a->q, (int)a->q_dtype, b * a->q_stride + (h * G + g0 + g) * D, (int)D, ks);  /* (ks: scratch) */
-                for (int64_t d = 0; d < D; d++) qg[g][d] = ks[d] * a->scale;
+                load(a->q, (int)a->q_dtype, b * a->q_stride + (h * G + g0 + g) * D, (int)D, qg[g]);
+                for (int64_t d = 0; d < D; d++) qg[g][d] *= a->scale;
             }
             float *sc = scores;  /* [ng, Ns]: the seen rows' scores, packed */
             int64_t c = 0;       /* how many so far */
@@ -435,12 +435,8 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             for (int64_t g = 0; g < ng; g++) {
                 const int64_t at = (b * a->Hkv * G + h * G + g0 + g) * D;
                 const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
-                if (a->out_dtype == F32) {
-                    float *dst = (float *)a->out + at;
-                    for (int64_t d = 0; d < D; d++) dst[d] = sum[g] > 0.0f ? acc[g][d] * inv : 0.0f;
-                } else {
-                    for (int64_t d = 0; d < D; d++) store_scalar(a->out, (int)a->out_dtype, at + d, sum[g] > 0.0f ? acc[g][d] * inv : 0.0f);
-                }
+                for (int64_t d = 0; d < D; d++)
+                    store_scalar(a->out, (int)a->out_dtype, at + d, sum[g] > 0.0f ? acc[g][d] * inv : 0.0f);
             }
         }
     }

@@ -2,7 +2,7 @@
 what a cache would serve it at its own decode step.
 
 At decode step i the cache holds tokens 0..i; the query sees the sink + window set
-``visible(i)`` (``qsinkkv.attention.visible_mask``), and token j is read in its stored form
+``visible(i)`` (``qsinkkv.layout.visible_mask``), and token j is read in its stored form
 (``StoredKV``) once ``i >= ready[j]``, in bf16 before that (a block still filling, a residual).
 None of that depends on later tokens, so all T queries are computed in parallel from the
 layer's real K/V. ``tests/test_eval.py`` checks this against a token-by-token stream through
@@ -26,6 +26,7 @@ attention function does for the duration of one forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,8 +35,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from qsinkkv import Rotary
-from qsinkkv.layout import query_tiles, visible_mask
+from qsinkkv import Rotary, sink_window_attention
+from qsinkkv.layout import query_tiles
 
 from .schemes import BF16, StoredKV
 
@@ -75,63 +76,43 @@ def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False, f
 def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: int, recent_tokens: int,
            scale: float | None = None, want_probs: bool = False, fused_causal: bool = False,
            rotary: Rotary | None = None) -> tuple[Tensor, Tensor | None]:
-    """Decode-time attention of queries at positions ``0..T-1``.
+    """Decode-time attention of queries at positions ``0..T-1``: ``qsinkkv.sink_window_attention`` (the
+    reference every path shares) per tile of queries over the keys the tile can see (``query_tiles``).
 
     q ``[B, H, T, D]``; k, v ``[B, Hkv, T, D]`` (the layer's K/V); view: the stored form, or None
     for a bf16 cache. With ``rotary`` (the ``cache_index`` contract) q, k and ``view.k`` are
-    pre-RoPE and are rotated by their cache index here. Returns the output ``[B, H, T, D]``
+    pre-RoPE and are rotated by their cache index. Returns the output ``[B, H, T, D]``
     float32 and, with ``want_probs``, the attention probabilities ``[B, H, T, T]`` (zero where
     not visible).
     """
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    G = H // Hkv
-    scale = D ** -0.5 if scale is None else scale
     pos = torch.arange(T, device=q.device)
-    qg = q.float().reshape(B, Hkv, G, T, D)
+    qf = q.float()
     kf, vf = k.to(BF16).float(), v.to(BF16).float()
-    kv_stored = None if view is None else view.k
-    q_sink = qg  # the query against sink keys
-    if rotary is not None:
-        # Every key at its own position and the query at its own: a recent key's cache index and
-        # the query's differ by exactly their distance, so this is the cache-index score for them.
-        # Against a sink (index j) the query sits at its cache index min(i, C-1).
-        C = sink_tokens + recent_tokens
-        q_sink = rotary.rotate(qg, pos.clamp(max=C - 1))
-        qg = rotary.rotate(qg, pos)
-        kf = rotary.rotate(kf, pos)
-        kv_stored = None if view is None else rotary.rotate(view.k, pos)
     if fused_causal and view is None and not want_probs and recent_tokens >= T:
-        out = torch.nn.functional.scaled_dot_product_attention(qg.reshape(B, H, T, D), kf, vf, is_causal=True,
-                                                               scale=scale, enable_gqa=True)
+        if rotary is not None:  # every index is the position: no sink's index is moved
+            qf, kf = rotary.rotate(qf, pos), rotary.rotate(kf, pos)
+        out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
         return out, None
-    out = torch.empty(B, Hkv, G, T, D, device=q.device)
-    probs = torch.zeros(B, Hkv, G, T, T, device=q.device) if want_probs else None
+    out = torch.empty(B, H, T, D, device=q.device)
+    probs = torch.zeros(B, H, T, T, device=q.device) if want_probs else None
+    attention = functools.partial(sink_window_attention, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                  scale=scale, rotary=rotary, return_probs=want_probs)
     for t0, t1, idx in query_tiles(T, sink_tokens, recent_tokens, q.device):  # the tiling the references use
-        qc = qg[:, :, :, t0:t1]
-        scores = torch.einsum("bhgtd,bhnd->bhgtn", qc, kf[:, :, idx])
-        if view is not None:
-            stored = view.ready[idx].unsqueeze(0) <= pos[t0:t1].unsqueeze(1)  # [t, n]
-            scores = torch.where(stored, torch.einsum("bhgtd,bhnd->bhgtn", qc, kv_stored[:, :, idx]), scores)
-        if rotary is not None and t1 > sink_tokens + recent_tokens:  # queries whose index stops at C-1
-            ns = int((idx < sink_tokens).sum())  # idx is ascending: the sinks come first
-            qs = q_sink[:, :, :, t0:t1]
-            sink_scores = torch.einsum("bhgtd,bhnd->bhgtn", qs, kf[:, :, idx[:ns]])
-            if view is not None:
-                sink_scores = torch.where(stored[:, :ns], torch.einsum("bhgtd,bhnd->bhgtn", qs,
-                                                                       kv_stored[:, :, idx[:ns]]), sink_scores)
-            scores[..., :ns] = sink_scores
-        seen = visible_mask(pos[t0:t1], idx, sink_tokens, recent_tokens)
-        p = torch.softmax((scores * scale).masked_fill(~seen, float("-inf")), dim=-1)
         if view is None:
-            o = torch.einsum("bhgtn,bhnd->bhgtd", p, vf[:, :, idx])
+            o = attention(qf[:, :, t0:t1], kf[:, :, idx], vf[:, :, idx], pos[t0:t1], idx)
         else:
-            o = (torch.einsum("bhgtn,bhnd->bhgtd", p * stored, view.v[:, :, idx])
-                 + torch.einsum("bhgtn,bhnd->bhgtd", p * ~stored, vf[:, :, idx]))
-        out[:, :, :, t0:t1] = o
-        if probs is not None:
-            probs[:, :, :, t0:t1, idx] = p
-    return out.reshape(B, H, T, D), None if probs is None else probs.reshape(B, H, T, T)
+            # each token twice: as held first (bf16) and as stored; a query sees the form its decode step reads
+            stored = view.ready[idx].unsqueeze(0) <= pos[t0:t1].unsqueeze(1)     # [t, n]
+            o = attention(qf[:, :, t0:t1], torch.cat((kf[:, :, idx], view.k[:, :, idx]), dim=2),
+                          torch.cat((vf[:, :, idx], view.v[:, :, idx]), dim=2), pos[t0:t1], torch.cat((idx, idx)),
+                          key_mask=torch.cat((~stored, stored), dim=1))
+        o, p = o if want_probs else (o, None)
+        out[:, :, t0:t1] = o
+        if p is not None:
+            probs[:, :, t0:t1, idx] = p if view is None else p[..., :idx.numel()] + p[..., idx.numel():]
+    return out, probs
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

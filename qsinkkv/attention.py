@@ -17,7 +17,8 @@ __all__ = ["sink_window_attention"]
 
 def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, *,
                           sink_tokens: int, recent_tokens: int, scale: float | None = None,
-                          rotary: Rotary | None = None, sink_logits: Tensor | None = None) -> Tensor:
+                          rotary: Rotary | None = None, sink_logits: Tensor | None = None,
+                          key_mask: Tensor | None = None, return_probs: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of queries at ``q_pos`` over keys at ``k_pos`` under the sink + window rule.
 
     q: ``[B, H, T, D]``; k, v: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA: query head h
@@ -28,7 +29,12 @@ def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos:
       a query at i has index min(i, S+W-1) and a recent key keeps its distance to the query.
     sink_logits: optional ``[H]`` learned per-head logits (gpt-oss) adding ``exp(s_h)`` to the
       softmax denominator with no value.
-    Returns ``[B, H, T, D]`` in q's dtype; computes in float32 (float64 if q is float64).
+    key_mask: optional bool ``[T, N]`` or ``[B, T, N]``: a query sees a key only where it is True (and the rule
+      allows it). The eval's replay holds each token twice, as the cache first holds it and as it is stored
+      later, and lets each query see the one its decode step reads.
+    return_probs: also return the attention probabilities ``[B, H, T, N]`` (float32, float64 for float64 q;
+      zero where not visible).
+    Returns ``[B, H, T, D]`` in q's dtype (and the probabilities); computes in float32 (float64 if q is float64).
     """
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -50,6 +56,7 @@ def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos:
         k_sink = rotary.rotate(kf, k_pos.clamp(min=0).unsqueeze(1))
         is_sink = (k_pos < sink_tokens).view(B, 1, 1, 1, -1)
     out = torch.empty(B, Hkv, G, T, D, dtype=work, device=q.device)
+    probs_out = torch.empty(B, Hkv, G, T, k.shape[2], dtype=work, device=q.device) if return_probs else None
     for t0 in range(0, T, QUERY_TILE):  # bounds the [t, N] score matrix of long prefills
         t1 = min(t0 + QUERY_TILE, T)
         qc, pc = qg[:, :, :, t0:t1], q_pos[:, t0:t1]
@@ -61,7 +68,10 @@ def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos:
             scores = torch.where(is_sink, torch.einsum("bhgtd,bhnd->bhgtn", q_sink, k_sink),
                                  torch.einsum("bhgtd,bhnd->bhgtn", q_recent, k_recent))
         scores = scores * scale
-        visible = visible_mask(pc, k_pos, sink_tokens, recent_tokens).view(B, 1, 1, t1 - t0, -1)
+        visible = visible_mask(pc, k_pos, sink_tokens, recent_tokens)
+        if key_mask is not None:
+            visible = visible & key_mask[..., t0:t1, :]
+        visible = visible.view(B, 1, 1, t1 - t0, -1)
         scores = scores.masked_fill(~visible, float("-inf"))
         if sink_logits is None:
             probs = torch.softmax(scores, dim=-1)
@@ -69,4 +79,7 @@ def sink_window_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos:
             s = sink_logits.to(work).reshape(1, Hkv, G, 1, 1).expand(B, Hkv, G, t1 - t0, 1)
             probs = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
         out[:, :, :, t0:t1] = torch.einsum("bhgtn,bhnd->bhgtd", probs, vf)
-    return out.reshape(B, H, T, D).to(q.dtype)
+        if probs_out is not None:
+            probs_out[:, :, :, t0:t1] = probs
+    out = out.reshape(B, H, T, D).to(q.dtype)
+    return out if probs_out is None else (out, probs_out.reshape(B, H, T, -1))

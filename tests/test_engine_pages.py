@@ -284,3 +284,51 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
     with pytest.raises(ValueError, match={"scale": "overflow scale_dtype", "out": "out must be"}.get(bad, bad)):
         step(held, torch.tensor([1, 1]), poison=bad)
     assert torch.equal(buf, before[0]) and torch.equal(float_k, before[1]) and torch.equal(float_v, before[2])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_decode_step_over_many_layers_equals_each_alone(bits):
+    """One ``DecodeStep`` for every layer of a step, as the vLLM backend runs it: the C structs of the first layer
+    are kept and a later layer changes only their pointers. Each layer (its own pages, float pools, q, k, v; q
+    and k, v also as strided views of one fused qkv row, and two layers' q copied because their rows are not
+    contiguous) must give, bit for bit, what ``attend_packed`` gives on a copy of that layer alone, and write
+    the same bytes."""
+    if not select_ops("auto", torch.device("cpu"), D, None).engine_decode:
+        pytest.skip("no C decode")
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=bits, block_size=8, value_group_size=8,
+                      sink_dtype=torch.bfloat16, window_dtype=torch.bfloat16, scale_dtype=torch.float16)
+    layout, pl = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D)
+    B, L, per = 3, 4, 12
+    ops = select_ops("c", torch.device("cpu"), D, None)
+    g = torch.Generator().manual_seed(bits)
+    bufs = [torch.zeros(1 + B * per, pl.page_bytes, dtype=torch.uint8) for _ in range(L)]
+    floats = [(torch.zeros(Hkv, B * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype),
+               torch.zeros(Hkv, B * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)) for _ in range(L)]
+    table = 1 + torch.arange(B * per).view(B, per)
+    rings = FloatRings(B)
+    held = torch.zeros(B, dtype=torch.int64)
+    fused = 0
+    for lens in [torch.tensor([13, 6, 9])] + [torch.ones(B, dtype=torch.int64)] * 20:
+        qsl = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
+        N = int(qsl[-1])
+        tables = step_tables(layout, table, held, lens)
+        ring = ring_table(layout, rings.rings(tables[0], held))
+        decode_step = DecodeStep(held, lens, cfg.sink_tokens)
+        for layer in range(L):
+            qkv = torch.randn(N, (Hkv * G + 2 * Hkv) * D, generator=g, dtype=torch.bfloat16)
+            q = qkv[:, :Hkv * G * D].view(N, Hkv * G, D)
+            k = qkv[:, Hkv * G * D:(Hkv * G + Hkv) * D].view(N, Hkv, D)
+            v = qkv[:, (Hkv * G + Hkv) * D:].view(N, Hkv, D)
+            if layer >= 2:  # rows not contiguous: these layers read a copy of q and keep no structs
+                q = torch.randn(N, D, Hkv * G, generator=g, dtype=torch.bfloat16).transpose(1, 2)
+            copies = (bufs[layer].clone(), floats[layer][0].clone(), floats[layer][1].clone())
+            read, store = storages(pl.views(copies[0]), copies[1], copies[2], layout, tables, ring, held)
+            expect = attend_packed(ops, read, store, q, k, v, qsl, scale=0.3)
+            read, store = storages(pl.views(bufs[layer]), *floats[layer], layout, tables, ring, held)
+            out = decode_step.attend(ops, read, store, q, k, v, qsl, scale=0.3)
+            assert torch.equal(out, expect), f"layer {layer}, lens {lens.tolist()}"
+            assert torch.equal(bufs[layer], copies[0]) and torch.equal(floats[layer][0], copies[1]) \
+                and torch.equal(floats[layer][1], copies[2])
+        fused += decode_step.fused_layers
+        held = held + lens
+    assert fused == 20 * L

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .config import CacheConfig
-from .step import Split
+from .step import Split, token_positions
 
 
 @dataclass(frozen=True)
@@ -258,11 +258,7 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
     busy = [n for n, t in zip(seq_lens.tolist(), lens) if t]
     if not k.shape[0] or min(busy) >= S:
         return peaks_fit(k, v, q, sink_logits, config.window_dtype) if k.numel() else {}
-    counts = torch.tensor(lens)
-    rows = torch.repeat_interleave(torch.arange(len(lens)), counts)
-    starts = counts.cumsum(0) - counts
-    position = seq_lens[rows] + torch.arange(k.shape[0]) - starts[rows]                  # [N] host
-    to_sinks = (position < S).to(k.device)
+    to_sinks = (token_positions(seq_lens, torch.tensor(lens)) < S).to(k.device)             # [N]
     named = {}
     for name, x in (("k", k), ("v", v)):
         top = peak(x.flatten(1), dim=1).double()                                        # [N]

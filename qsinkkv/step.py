@@ -68,6 +68,14 @@ def split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) 
     return Split(lens, one, *firsts, multi, *chunk)
 
 
+def token_positions(held: Tensor, lens: Tensor) -> Tensor:
+    """``[N]`` int64 (host): the position in its sequence of each token of a packed step, row b's ``lens[b]``
+    new tokens after the ``held[b]`` it held (both ``[B]`` host int64; N = ``lens.sum()``)."""
+    rows = torch.repeat_interleave(torch.arange(lens.shape[0]), lens)
+    starts = lens.cumsum(0) - lens
+    return held[rows] + torch.arange(rows.shape[0]) - starts[rows]
+
+
 def _one_and_multi(lens: list[int]) -> tuple[list[int], list[int]]:
     """The rows with one new token, and the rows with more."""
     return [b for b, t in enumerate(lens) if t == 1], [b for b, t in enumerate(lens) if t > 1]

@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCache
 
 from ...engine_pages import PageLayout
 from ...layout import visible_mask
+from ...step import token_positions
 from . import state
 from .quantized import QuantImpl, QuantMetadataBuilder, impl_config
 from .spec import QSinkKVSpec
@@ -129,8 +130,7 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
         start = seq_lens - qlen                          # position of each row's first new token
         is_sink = None
         if S and B and int(start.min()) < S:
-            row = torch.repeat_interleave(torch.arange(B), qlen)
-            pos = torch.arange(int(qsl[-1])) - qsl[:-1][row] + start[row]
+            pos = token_positions(start, qlen)
             is_sink = torch.zeros(N, dtype=torch.bool)
             is_sink[:pos.shape[0]] = pos < S
 

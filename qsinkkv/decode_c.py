@@ -431,15 +431,15 @@ class EngineDecode:
             pools = _pools(store, keep)
             if keep:  # a pool copied (its blocks not contiguous): writing the copy would not write the pool
                 return None
-            # kept for the later layers only if q, k and v are read as they lie (no copy of this layer's)
-            as_laid = all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v)) and \
-                k.stride(0) == v.stride(0)
             q_rows, q_stride = _rows(q, keep)
+            k_rows, v_rows, _ = _kv_rows(k, v, keep)
+            # kept for the later layers only if q, k and v are read as they lie (no copy of this layer's)
+            as_laid = q_rows is q and k_rows is k and v_rows is v
             a = _args(store, keep, pools, B=q.shape[0], G=q.shape[1] // store.num_kv_heads, q=q_rows.data_ptr(),
                       q_dtype=_DTYPES[q.dtype], q_stride=q_stride, bias=self.bias.data_ptr(), sink_logits=None,
                       scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
-            c = _complete_struct(store, k, v, self.index[:4], keep)
-            st = _store_struct(store.float_k, store.float_v, store.float_table, k, v, self.index[4:],
+            c = _complete_struct(store, k_rows, v_rows, self.index[:4], keep)
+            st = _store_struct(store.float_k, store.float_v, store.float_table, k_rows, v_rows, self.index[4:],
                                self.layout.block_size, keep)
             self._structs = (lies, a, c, st, keep) if as_laid else None  # keep: what the structs point into
         bound = checks_bound(self.layout.config.window_dtype, k.dtype)

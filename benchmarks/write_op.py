@@ -3,10 +3,12 @@ row) at equal lengths, at different lengths (a left-padded batch), and a 64-toke
 dense int4 storage of SmolLM2's shape (Hkv 3, D 64), B rows, one thread. The store runs ``--reps`` times
 per case over a fresh copy of the same storage, so every call writes the same positions.
 
-    python benchmarks/write_op.py [--batch 8] [--reps 300] [--json out.json]
+    python benchmarks/write_op.py [--batch 8] [--reps 300] [--writer torch|c] [--json out.json]
 
-It uses only ``LayerStorage.allocate`` and ``write.append``, so the same file times an older checkout
-(``PYTHONPATH=<checkout> python benchmarks/write_op.py``): the before/after of a change to the write.
+``--writer``: how the blocks and rows are written, ``torch`` (``write.WRITER_TORCH``, the reference and
+``write.append``'s default) or ``c`` (``decode_c.WRITER_C``, what a cache on the CPU's "c" backend writes with).
+With ``torch`` it uses only ``LayerStorage.allocate`` and ``write.append``, so the same file times an older checkout
+(its ``qsinkkv`` first on ``sys.path``): the before/after of a change to the write.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from qsinkkv.layout import WindowLayout
 from qsinkkv.storage import LayerStorage
 
 
-def case(cfg, B, lengths, T, reps, seed=0):
+def case(cfg, B, lengths, T, reps, writer, seed=0):
     g = torch.Generator().manual_seed(seed)
     layout = WindowLayout(cfg)
     s = LayerStorage.allocate(layout, B, 3, 64, torch.device("cpu"))
@@ -36,7 +38,7 @@ def case(cfg, B, lengths, T, reps, seed=0):
     for _ in range(reps):
         s.seq_lens.copy_(base)
         t0 = time.perf_counter()
-        write.append(s, k, v, [T] * B, quant)
+        write.append(s, k, v, [T] * B, quant, **writer)
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2] * 1e6
@@ -46,6 +48,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--writer", choices=["torch", "c"], default="torch")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -53,15 +56,23 @@ def main(argv=None):
     B = args.batch
     cases = {"decode, equal lengths": ([150] * B, 1), "decode, different lengths": ([150 + 5 * b for b in range(B)], 1),
              "decode completing a block": ([4 + 31] * B, 1), "64-token chunk per row": ([150] * B, 64)}
-    rows = {name: case(cfg, B, lengths, T, args.reps) for name, (lengths, T) in cases.items()}
-    print(f"write.append, int4 (S 4, W 252, block 32), B {B}, Hkv 3, D 64, 1 thread; median of {args.reps}")
+    writer = {}
+    if args.writer == "c":
+        from qsinkkv import decode_c
+        ok, why = decode_c.available()  # (loads the library; without it WRITER_C would run the PyTorch path)
+        if not ok:
+            raise SystemExit(f"--writer c: no C library here: {why}")
+        writer = {"writer": decode_c.WRITER_C}
+    rows = {name: case(cfg, B, lengths, T, args.reps, writer) for name, (lengths, T) in cases.items()}
+    print(f"write.append ({args.writer} writer), int4 (S 4, W 252, block 32), B {B}, Hkv 3, D 64, 1 thread; "
+          f"median of {args.reps}")
     print("| case | us / call |\n|---|---:|")
     for name, us in rows.items():
         print(f"| {name} | {us:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": B, "reps": args.reps, "rows": [{"case": name, "us": us} for name, us in rows.items()]},
-                      f, indent=1)
+            json.dump({"batch": B, "reps": args.reps, "writer": args.writer,
+                       "rows": [{"case": name, "us": us} for name, us in rows.items()]}, f, indent=1)
 
 
 if __name__ == "__main__":

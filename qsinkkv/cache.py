@@ -234,7 +234,7 @@ class SinkQuantCache:
         try:
             lens, _ = self._check_kv(layer, k, v, lengths)
             self._reserve(layer, lens)
-            self._undo[layer] = write.append(self.layers[layer], k, v, lens, self.ops.quantizer)
+            self._undo[layer] = write.append(self.layers[layer], k, v, lens, self.ops.quantizer, self.ops.writer)
         except BaseException as e:
             self._roll_back_step(layer, before, e)
             raise
@@ -255,14 +255,14 @@ class SinkQuantCache:
             self._reserve(layer, lens)
             storage = self.layers[layer]
             if k.shape[2] == 1:  # decode: store, then attend over exactly what is stored
-                self._undo[layer] = write.append(storage, k, v, lens, self.ops.quantizer)
+                self._undo[layer] = write.append(storage, k, v, lens, self.ops.quantizer, self.ops.writer)
                 out = self.ops.decode(q[:, :, 0], storage, scale=scale, sink_logits=sink_logits).unsqueeze(2)
                 if 0 in lens:  # a row with no new token has no query
                     out = out.masked_fill(torch.tensor(lens, device=out.device).view(-1, 1, 1, 1) == 0, 0)
                 return out
             if split is None or len(split.multi) == len(lens):  # every row prefills
                 out = self.ops.prefill(q, k, v, storage, torch.tensor(lens), scale=scale, sink_logits=sink_logits)
-                self._undo[layer] = write.append(storage, k, v, lens, self.ops.quantizer)
+                self._undo[layer] = write.append(storage, k, v, lens, self.ops.quantizer, self.ops.writer)
                 return out
             out = q.new_zeros(q.shape)
             one_out, multi_out = self._attend_split(layer, split, scale, sink_logits)

@@ -469,7 +469,7 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
 
 int64_t qsinkkv_args_size(void) { return (int64_t)sizeof(Args); }
 
-/* ---- the one-token write (write.store_rows's C version): new K and V rows into their pools' blocks ---- */
+/* ---- the row write (write.store_rows's C version): new K and V rows into their pools' blocks ---- */
 
 /* f32 -> f16, rounded to nearest even (the FP16 library's fp16_ieee_from_fp32_value, what torch's .to() gives) */
 static uint16_t float_to_half(float f) {
@@ -548,7 +548,7 @@ int qsinkkv_store_rows(const Store *s) {
 
 int64_t qsinkkv_store_size(void) { return (int64_t)sizeof(Store); }
 
-/* ---- blocks that complete in a decode step (write.complete_blocks's C version): quantized once, to their pages ---- */
+/* ---- blocks that complete in a step (write.complete_blocks's C version): quantized once, to their pages ---- */
 
 static inline float round_to(float x, int dt) {  /* x as stored in dtype dt, back in float32 */
     float out;
@@ -593,12 +593,12 @@ typedef struct {
     int64_t n;                   /* blocks completing */
     const void *x_k, *x_v;       /* [tokens, Hkv, D] of x_dtype (rows D apart, tokens x_stride): the new tokens */
     int64_t x_dtype, x_stride;
-    const int64_t *at, *seqs, *blocks, *new_recent;  /* [n]: token x[at[i]] of sequence seqs[i] completes its
-                                                      * recent block blocks[i] as recent index new_recent[i] */
+    const int64_t *at, *seqs, *blocks, *first_new;  /* [n]: recent block blocks[i] of sequence seqs[i] completes;
+                                                     * its tokens from recent index first_new[i] on are x[at[i]] on */
     int64_t float_rows;          /* the float ring's rows (0: none; the block is the new token alone) */
 } Complete;
 
-/* Gather each completing block (its older rows from the float ring, the new token cast to the window dtype),
+/* Gather each completing block (its older rows from the float ring, the step's cast to the window dtype),
  * quantize keys per channel and values per token and channel group, then write codes and scales to the block's
  * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written: returns -3 (and
  * writes nothing) when a scale or zero overflows the scale dtype; -1 for sizes beyond the fixed arrays; -2 out
@@ -616,15 +616,16 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     float *vsz = malloc((size_t)(c->n * H * bs * K * 2) * sizeof(float));  /* value scale, zero [n, H, bs, K] */
     int code = x && codes && ks && vsz ? 0 : -2;
     for (int64_t i = 0; i < c->n && !code; i++) {
-        const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->new_recent[i] - blk * bs;
+        const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
         for (int kv = 0; kv < 2; kv++) {  /* gather: [H, bs, D] float32 of the window dtype's values */
             const void *pool = kv ? a->float_v : a->float_k;
             const void *src = kv ? c->x_v : c->x_k;
             for (int64_t h = 0; h < H; h++)
                 for (int64_t t = 0; t < bs; t++) {
                     float *row = x + kv * per + (h * bs + t) * D;
-                    if (t == fresh || !F) {
-                        load((const char *)src + (c->at[i] * c->x_stride + h * D) * xe, (int)c->x_dtype, 0, (int)D, row);
+                    if (t >= fresh || !F) {
+                        const int64_t tok = c->at[i] + t - fresh;
+                        load((const char *)src + (tok * c->x_stride + h * D) * xe, (int)c->x_dtype, 0, (int)D, row);
                         if (c->x_dtype != a->window_dtype)
                             for (int64_t d = 0; d < D; d++) row[d] = round_to(row[d], (int)a->window_dtype);
                     } else {

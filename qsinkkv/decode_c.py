@@ -53,7 +53,7 @@ class _Args(ctypes.Structure):
 class _Complete(ctypes.Structure):
     _fields_ = ([("n", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")]
                 + [("x_dtype", ctypes.c_int64), ("x_stride", ctypes.c_int64)]
-                + [(n, ctypes.c_void_p) for n in ("at", "seqs", "blocks", "new_recent")]
+                + [(n, ctypes.c_void_p) for n in ("at", "seqs", "blocks", "first_new")]
                 + [("float_rows", ctypes.c_int64)])
 
 
@@ -327,12 +327,13 @@ def _store_applies(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: 
     D = k.shape[2]
     return (_lib is not None and all(t.device.type == "cpu" for t in (pool_k, pool_v, table, k, v))
             and (pool_k.stride(3), pool_k.stride(2)) == (1, D) and pool_k.stride() == pool_v.stride()
-            and pool_k.dtype == pool_v.dtype and k.dtype == v.dtype and D <= MAX_HEAD_DIM)
+            and pool_k.dtype == pool_v.dtype and k.dtype == v.dtype and D <= MAX_HEAD_DIM
+            and {pool_k.dtype, k.dtype} <= _DTYPES.keys())
 
 
 def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
                  ring_rows: Tensor, rows_per_block: int) -> None:
-    """``write.store_rows`` in one C call (the one-token write of a decode step: a few rows per layer, where
+    """``write.store_rows`` in one C call (a decode step writes a few rows per layer, where
     PyTorch's indexed writes cost more than the bytes), the same bits: the casts round as torch's ``.to()`` does.
     Takes the PyTorch path where the C one does not apply (tensors off the CPU, a pool whose blocks' rows are
     not ``D`` apart)."""
@@ -342,7 +343,7 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
     s = _store_struct(pool_k, pool_v, table, k, v, [t.contiguous() for t in (at, seqs, ring_rows)], rows_per_block,
                       keep)
     if _lib.qsinkkv_store_rows(ctypes.byref(s)):
-        raise RuntimeError("the C one-token write failed")
+        raise RuntimeError("the C row write failed")
 
 
 def _complete_struct(s: LayerStorage, k: Tensor, v: Tensor, index: list, keep: list) -> _Complete:
@@ -350,16 +351,17 @@ def _complete_struct(s: LayerStorage, k: Tensor, v: Tensor, index: list, keep: l
     keep += [k, v, *index]
     return _Complete(n=index[0].shape[0], x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
                      x_stride=stride, at=index[0].data_ptr(), seqs=index[1].data_ptr(), blocks=index[2].data_ptr(),
-                     new_recent=index[3].data_ptr(), float_rows=s.layout.float_rows)
+                     first_new=index[3].data_ptr(), float_rows=s.layout.float_rows)
 
 
 def _complete_applies(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> bool:
     return (_lib is not None and s.device.type == "cpu" and k.device.type == "cpu" and quantizer is quant
-            and s.head_dim <= MAX_HEAD_DIM and k.dtype == v.dtype and s.layout.quant_slots > 0)
+            and s.head_dim <= MAX_HEAD_DIM and k.dtype == v.dtype and s.layout.quant_slots > 0
+            and {k.dtype, s.layout.config.window_dtype, s.layout.config.scale_dtype} <= _DTYPES.keys())
 
 
 def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
-                      new_recent: Tensor, quantizer) -> None:
+                      first_new: Tensor, quantizer) -> None:
     """``write.complete_blocks`` in one C call: gathered, quantized (quant.py's rounding rule, the same codes and
     scales) and written to the pages with no PyTorch op, whose small indexed reads and writes cost more than the
     bytes (and, on a core another process shares, each wait for OpenMP's threads). A block whose scale
@@ -368,16 +370,16 @@ def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: T
     if _complete_applies(s, k, v, quantizer):
         keep = []
         a = _args(s, keep, B=s.batch_size, G=1)
-        c = _complete_struct(s, k, v, [t.contiguous() for t in (at, seqs, blocks, new_recent)], keep)
+        c = _complete_struct(s, k, v, [t.contiguous() for t in (at, seqs, blocks, first_new)], keep)
         code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
         if code == 0:
             return
         if code != -3:
             raise RuntimeError(f"the C block completion failed (code {code})")
-    write.complete_blocks(s, k, v, at, seqs, blocks, new_recent, quantizer)
+    write.complete_blocks(s, k, v, at, seqs, blocks, first_new, quantizer)
 
 
-ONE_TOKEN_C = write.OneTokenWrite(complete_blocks_c, store_rows_c)
+WRITER_C = write.Writer(complete_blocks_c, store_rows_c)
 
 
 class EngineDecode:
@@ -390,10 +392,11 @@ class EngineDecode:
 
     def __init__(self, store: LayerStorage):
         layout, B, held = store.layout, store.batch_size, store.seq_lens
-        self.plan = write._one_token_plan(layout, tuple(held.tolist()), tuple(range(B)))
+        every = tuple(range(B))
+        self.plan = write.plan(layout, tuple(held.tolist()), (1,) * B, every, every)
         self.bias = layout.visible_bias(held + 1, store.device)
         self.index = [t.contiguous() for t in (self.plan.full_at, self.plan.full_rows, self.plan.full_block,
-                                                self.plan.full_new, self.plan.float_at, self.plan.float_rows,
+                                                self.plan.full_from, self.plan.float_at, self.plan.float_rows,
                                                 self.plan.float_row)]
         self.tables = (store.sink_table, store.float_table, store.quant_table)
         self.layout = layout

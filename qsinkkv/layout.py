@@ -116,11 +116,13 @@ class WindowLayout:
         """Oldest recent index a query at the newest position sees (m an int or a tensor)."""
         return (m - self.recent_tokens).clamp(min=0) if isinstance(m, Tensor) else max(m - self.recent_tokens, 0)
 
-    def overwrites_live_float(self, r: int, quantized_before: int) -> bool:
-        """The undo rule: does writing recent token ``r`` (or any of a run ending at ``r``) over its float-ring
-        row overwrite a token the shorter stream still reads there? The row held token ``r - float_rows``, which
-        is unquantized (read from the ring) at ``quantized_before`` quantized blocks if it is past them."""
-        return r - self.float_rows >= quantized_before * self.block_size
+    # --- the undo rule: what a write overwrites that the shorter stream (before it) still reads ------------
+
+    def live_float_from(self, quantized_before: int) -> int:
+        """The least recent index whose write over its float-ring row overwrites a token the shorter stream still
+        reads (every later one does too): the row held token ``r - float_rows``, read from the ring while it is past
+        the ``quantized_before`` blocks quantized."""
+        return quantized_before * self.block_size + self.float_rows
 
     def first_kept_block(self, m):
         """Blocks before this one hold no visible token and may be overwritten (m an int or a tensor)."""

@@ -9,9 +9,9 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
                                                                  qsinkkv.kernels.decode_attention (Triton)
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
-  write              write.append (uses the chosen quantizer)    -
-  one-token rows     write.ONE_TOKEN_TORCH (complete_blocks,     decode_c.ONE_TOKEN_C (CPU, C; the same bits)
-                     store_rows)
+  write              write.plan + write.commit: WRITER_TORCH      decode_c.WRITER_C (CPU, C; the same bits)
+                     (complete_blocks, store_rows), with the
+                     chosen quantizer
 
 Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
 -> cache -> integrations/eval.
@@ -45,7 +45,7 @@ class Ops:
     quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
-    one_token: write.OneTokenWrite = write.ONE_TOKEN_TORCH  # how a one-token step's rows are written
+    writer: write.Writer = write.WRITER_TORCH  # how the write's blocks and rows are written
     engine_decode: type | None = None  # an engine's decode step in one piece (engine_pages.DecodeStep), if any
 
 
@@ -60,7 +60,7 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     backend = resolve_backend(backend, device, head_dim, rotary)
     check_decode_variant(decode_variant, backend, rotary)
     if backend == "c":
-        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.ONE_TOKEN_C,
+        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C,
                    decode_c.EngineDecode)
     if backend == "triton":
         from . import kernels

@@ -101,20 +101,32 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
 
     Returns ``([len(one), H, D], [len(multi), H, T_multi, D], the write's undo record)`` (None for an empty
     group; no undo record with keep_undo=False)."""
-    lens = split.lens
     multi_out = one_out = None
     if split.multi:
         multi_out = ops.prefill(split.q_multi, split.k_multi, split.v_multi, read.select_rows(split.multi),
                                 torch.tensor(split.multi_lens), scale=scale, sink_logits=sink_logits)
-    chunks = [(b, split.k_multi[i:i + 1, :, :lens[b]], split.v_multi[i:i + 1, :, :lens[b]])
-              for i, b in enumerate(split.multi)]
-    undo = write.append_rows(store, split.one, split.k_one, split.v_one, chunks, ops.quantizer, keep_undo,
-                             ops.one_token)
+    if split.one or split.multi:
+        undo = write.append_tokens(store, *_tokens(split), ops.quantizer, keep_undo, ops.writer)
+    else:  # no new token in any row
+        undo = write.Undo(store.seq_lens.clone(), []) if keep_undo else None
     if split.one:
         every_row = len(split.one) == store.batch_size  # (decode reads; it needs no copy of the tables)
         one_out = ops.decode(split.q_one, store if every_row else store.select_rows(split.one), scale=scale,
                              sink_logits=sink_logits)
     return one_out, multi_out, undo
+
+
+def _tokens(split: Split) -> tuple:
+    """The step's new K/V as ``write.append_tokens`` takes them: ``k, v [N, Hkv, D]`` (the one-token rows', then
+    the longer rows' padded to their longest: no copy for a decode step) and the rows, starts and lengths."""
+    one, multi, T = split.one, split.multi, 0 if split.k_multi is None else split.k_multi.shape[2]
+    parts = [[x] if one else [] for x in (split.k_one, split.v_one)]
+    if multi:
+        for part, x in zip(parts, (split.k_multi, split.v_multi)):
+            part.append(x.transpose(1, 2).reshape(len(multi) * T, *x.shape[1::2]))
+    k, v = (part[0] if len(part) == 1 else torch.cat(part) for part in parts)
+    starts = list(range(len(one))) + [len(one) + i * T for i in range(len(multi))]
+    return k, v, one + multi, starts, [1] * len(one) + split.multi_lens
 
 
 def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:

@@ -30,6 +30,7 @@ CASES = {  # script and tiny arguments -> the table header it must print
     "pool": (["pool.py", "--shapes", "smollm2", "--capacity", "256"],
              "| model shape | cache | bytes / token | sequences at capacity | vs bf16 | bytes held / pool |"),
     "write_op": (["write_op.py", "--batch", "2", "--reps", "2"], "| case | us / call |"),
+    "write_op_c": (["write_op.py", "--batch", "2", "--reps", "2", "--writer", "c"], "| case | us / call |"),
     # the GPU path (no attention split, a synchronize per step) with the Triton backend, interpreted
     "generate_interpret": (["generate.py", "--context", "16", "--new", "1", "--backend", "triton", "--bits", "4",
                             "--baselines", "--interpret"], "| context | cache | ms/token |"),
@@ -77,7 +78,8 @@ def test_benchmark_runs_tiny(case, tmp_path):
         assert rows[0]["sequences"] < rows[1]["sequences"] < rows[2]["sequences"], rows
         assert all(r["held_bytes"] <= r["pool_bytes"] for r in rows), rows
         return
-    if case == "write_op":  # every case of the write timed
+    if case.startswith("write_op"):  # every case of the write timed, with the writer asked for
+        assert json.loads(out.read_text())["writer"] == ("c" if case == "write_op_c" else "torch")
         assert [r["case"] for r in rows] == ["decode, equal lengths", "decode, different lengths",
                                              "decode completing a block", "64-token chunk per row"]
         assert all(r["us"] > 0 for r in rows), rows

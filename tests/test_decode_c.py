@@ -139,24 +139,26 @@ def test_store_rows_c_writes_the_bits_of_the_reference(x_dtype, pool_dtype):
 def test_one_token_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype, scale_dtype, residual, group,
                                                                x_dtype):
     """A one-token step over rows at every kind of length (to the sinks, to the float ring, completing a block,
-    completing one whose slot held a block still visible): ``decode_c.ONE_TOKEN_C`` leaves every storage tensor
-    and length bit for bit as ``write.ONE_TOKEN_TORCH`` does; a block whose scale overflows fp16 is refused by
+    completing one whose slot held a block still visible): ``decode_c.WRITER_C`` leaves every storage tensor
+    and length bit for bit as ``write.WRITER_TORCH`` does; a block whose scale overflows fp16 is refused by
     both, with nothing written."""
     from qsinkkv import quant, write
     cfg = CacheConfig(sink_tokens=3, recent_tokens=21, bits=bits, block_size=4, value_group_size=group,
                       residual_tokens=residual, window_dtype=window_dtype, scale_dtype=scale_dtype)
     layout = random_storage_layer(cfg, 1, 2).layout
-    every = write._one_token_plan(layout, tuple(range(70)), tuple(range(70)))  # each length's kind of row
+    seventy = tuple(range(70))
+    every = write.plan(layout, seventy, (1,) * 70, seventy, seventy)  # each length's kind of row
     lengths = [0, 2] + every.float_rows[::9].tolist() + every.full_rows[::2].tolist()
-    plan = write._one_token_plan(layout, tuple(lengths), tuple(range(len(lengths))))
+    rows = tuple(range(len(lengths)))
+    plan = write.plan(layout, tuple(lengths), (1,) * len(rows), rows, rows)
     assert len(plan.full_at) >= 3 and len(plan.sink_at) >= 2 and len(plan.float_at) >= 3
     g = torch.Generator().manual_seed(bits + residual)
     k, v = (torch.randn(len(lengths), 2, D, generator=g).mul(3).to(x_dtype) for _ in range(2))
     results = []
-    for impl in (write.ONE_TOKEN_TORCH, decode_c.ONE_TOKEN_C):
+    for impl in (write.WRITER_TORCH, decode_c.WRITER_C):
         layer = random_storage_layer(cfg, len(lengths), 2, seed=5)
         layer.seq_lens.copy_(torch.tensor(lengths))
-        write.append_rows(layer, list(range(len(lengths))), k, v, [], quant, keep_undo=False, one_token=impl)
+        write.append_tokens(layer, k, v, rows, rows, [1] * len(rows), quant, keep_undo=False, writer=impl)
         results.append(layer)
     for name, t in results[0].tensors().items():
         assert torch.equal(t.view(torch.uint8), results[1].tensors()[name].view(torch.uint8)), name
@@ -164,15 +166,60 @@ def test_one_token_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype
     if scale_dtype == torch.float16:  # 1e5 overflows an fp16 scale: refused, nothing written
         huge = k.clone()
         huge[plan.full_at[0], 0, 0] = -1e5  # (beyond fp16's 65504: the block's zero cannot be stored)
-        for impl in (write.ONE_TOKEN_TORCH, decode_c.ONE_TOKEN_C):
+        for impl in (write.WRITER_TORCH, decode_c.WRITER_C):
             layer = random_storage_layer(cfg, len(lengths), 2, seed=5)
             layer.seq_lens.copy_(torch.tensor(lengths))
             before = {name: t.clone() for name, t in layer.tensors().items()}
             with pytest.raises(ValueError, match="overflow scale_dtype"):
-                write.append_rows(layer, list(range(len(lengths))), huge, v, [], quant, keep_undo=False,
-                                  one_token=impl)
+                write.append_tokens(layer, huge, v, rows, rows, [1] * len(rows), quant, keep_undo=False,
+                                    writer=impl)
             assert all(torch.equal(t.view(torch.uint8), before[n].view(torch.uint8))
                        for n, t in layer.tensors().items())
+
+
+@pytest.mark.parametrize("bits, window_dtype, scale_dtype, residual, x_dtype", [
+    (4, torch.bfloat16, torch.float16, 0, torch.float32), (8, torch.float16, torch.bfloat16, 3, torch.bfloat16),
+    (4, torch.float32, torch.float32, 5, torch.float32)])
+def test_chunk_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype, scale_dtype, residual, x_dtype):
+    """A packed step of chunks (rows out of order, some crossing the sinks, completing several blocks, skipping
+    blocks that leave the window, wrapping the float ring; one row idle): ``decode_c.WRITER_C`` (a block's newer
+    tokens a run of the step's) leaves every storage tensor and length bit for bit as ``write.WRITER_TORCH``; a
+    block whose scale overflows fp16 is refused by both, with nothing written."""
+    from qsinkkv import quant, write
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=21, bits=bits, block_size=4, value_group_size=4,
+                      residual_tokens=residual, window_dtype=window_dtype, scale_dtype=scale_dtype)
+    held = [0, 2, 9, 30, 17, 3, 40, 11]
+    rows, lens = (6, 0, 3, 1, 7, 2, 4), (5, 9, 1, 40, 7, 3, 0)   # row 5 gets none
+    starts = [sum(lens[:i]) for i in range(len(rows))]
+    layout = random_storage_layer(cfg, 1, 2).layout
+    p = write.plan(layout, tuple(held[b] for b in rows), lens, tuple(starts), rows)
+    assert len(p.full_at) >= 6 and len(p.sink_at) >= 4 and (p.full_from > p.full_block * 4).any()
+    g = torch.Generator().manual_seed(bits + residual)
+    k, v = (torch.randn(sum(lens), 2, D, generator=g).mul(3).to(x_dtype) for _ in range(2))
+
+    def write_with(impl, k):
+        layer = random_storage_layer(cfg, len(held), 2, seed=5)
+        layer.seq_lens.copy_(torch.tensor(held))
+        before = {name: t.clone() for name, t in layer.tensors().items()}
+        try:
+            write.append_tokens(layer, k, v, rows, starts, lens, quant, keep_undo=False, writer=impl)
+        except ValueError as e:
+            assert "overflow scale_dtype" in str(e)
+            for name, t in layer.tensors().items():
+                assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
+            assert torch.equal(layer.seq_lens, torch.tensor(held))
+            return None
+        return layer
+
+    ref, fast = (write_with(impl, k) for impl in (write.WRITER_TORCH, decode_c.WRITER_C))
+    for name, t in ref.tensors().items():
+        assert torch.equal(t.view(torch.uint8), fast.tensors()[name].view(torch.uint8)), name
+    assert torch.equal(ref.seq_lens, fast.seq_lens) and ref.seq_lens.tolist() == [
+        n + (lens[rows.index(b)] if b in rows else 0) for b, n in enumerate(held)]
+    if scale_dtype == torch.float16:  # 1e5 overflows an fp16 scale: refused, nothing written
+        huge = k.clone()
+        huge[p.full_at[-1], 0, 0] = -1e5
+        assert write_with(write.WRITER_TORCH, huge) is None and write_with(decode_c.WRITER_C, huge) is None
 
 
 def test_threads_do_not_change_the_bits(monkeypatch):

@@ -126,3 +126,29 @@ def test_refused_ragged_step_after_block_completion_with_residual():
         assert_same_state(a, twin)
         feed((a, twin), 3, q, k, v)                     # the step, accepted this time, on both
         assert_same_state(a, twin)
+
+
+@pytest.mark.parametrize("bits, held", [(4, 13), (8, 40), (16, 7)])
+def test_the_cheapest_case_writes_what_the_general_commit_writes(bits, held):
+    """A decode step of equal rows on a dense storage is the plan's cheapest case (one strided copy per ring):
+    the same bytes and lengths as the general indexed commit of the same plan."""
+    import dataclasses
+
+    from helpers import random_storage_layer
+
+    from qsinkkv import quant, write
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=21, bits=bits, block_size=4, value_group_size=4)
+    B = 5
+    layout = random_storage_layer(cfg, 1, 2).layout
+    p = write.plan(layout, (held,) * B, (1,) * B, tuple(range(B)), tuple(range(B)))
+    assert p.ring_row is not None and not p.full_at.numel()
+    k, v = torch.randn(2, B, 2, 16).unbind(0)
+    results = []
+    for plan in (p, dataclasses.replace(p, ring_row=None)):
+        layer = random_storage_layer(cfg, B, 2, seed=3)
+        layer.seq_lens.fill_(held)
+        assert write.commit(layer, plan, k, v, quant, write.WRITER_TORCH) == []
+        results.append(layer)
+    for name, t in results[0].tensors().items():
+        assert torch.equal(t, results[1].tensors()[name]), name
+    assert results[0].seq_lens.tolist() == results[1].seq_lens.tolist() == [held + 1] * B

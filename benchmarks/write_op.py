@@ -8,7 +8,8 @@ per case over a fresh copy of the same storage, so every call writes the same po
 ``--writer``: how the blocks and rows are written, ``torch`` (``write.WRITER_TORCH``, the reference and
 ``write.append``'s default) or ``c`` (``decode_c.WRITER_C``, what a cache on the CPU's "c" backend writes with).
 With ``torch`` it uses only ``LayerStorage.allocate`` and ``write.append``, so the same file times an older checkout
-(its ``qsinkkv`` first on ``sys.path``): the before/after of a change to the write.
+(its ``qsinkkv`` imported first: with an editable install, whose finder comes before ``PYTHONPATH``, take that finder
+off ``sys.meta_path``): the before/after of a change to the write.
 """
 from __future__ import annotations
 

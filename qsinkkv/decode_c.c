@@ -225,24 +225,59 @@ static inline v8 hsum8(const vr *a) {
 }
 #endif
 
+/* How many query heads one pass keeps in registers: a pass over eight rows holds 8 x SCORE_HEADS score sums, a
+ * pass over a tile of VALUE_TILE chunks VALUE_HEADS x VALUE_TILE value sums (AVX-512 has 32 vector registers,
+ * AVX2 16). Each row vector is loaded once per pass and used by every head of it: with one head per pass the
+ * loads, not the multiply-adds, set the pace */
+#if LANES == 16
+#define SCORE_HEADS 3
+#define VALUE_TILE 4
+#else
+#define SCORE_HEADS 1
+#define VALUE_TILE 2
+#endif
+#define VALUE_HEADS 3
+
+#ifdef __AVX__
+/* sc[g * Ns + j] = qx[g] . rows[j] (+ qz[g]) for eight rows and NG heads: the 8 x NG sums are independent
+ * chains (not one chain of Vn multiply-adds per row, whose latency held the loop), reduced eight at a time */
+static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, const float *restrict rows, int64_t Dp,
+                                                            float (*restrict qx)[MAX_D], const float *qz, float *sc,
+                                                            int64_t Ns, int64_t Vn) {
+    vr p[SCORE_HEADS][8];
+    for (int64_t g = 0; g < NG; g++)
+        for (int j = 0; j < 8; j++) p[g][j] = (vr){0};
+    for (int64_t v = 0; v < Vn; v++)
+        for (int j = 0; j < 8; j++) {
+            const vr x = VR(rows + j * Dp)[v];
+            for (int64_t g = 0; g < NG; g++) p[g][j] += VR(qx[g])[v] * x;
+        }
+    for (int64_t g = 0; g < NG; g++) {
+        const v8 s8 = hsum8(p[g]);
+        for (int j = 0; j < 8; j++) sc[g * Ns + j] = qz ? s8[j] + qz[g] : s8[j];
+    }
+}
+#endif
+
 /* sc[g * Ns + i] = qx[g] . rows[i] (+ qz[g]) for the n packed rows (Dp floats apart): eight rows at a time
- * where the machine has AVX (their sums reduced together), the rest one by one. Which rows go which way depends
- * on n alone, so a sequence's scores do not depend on its batch */
+ * where the machine has AVX (their sums reduced together), the rest one by one. Each sum runs over the channels
+ * in order whichever way it goes, and which rows go which way depends on n alone, so a sequence's scores do not
+ * depend on its batch */
 static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t Dp, float (*qx)[MAX_D],
                               const float *qz, float *sc, int64_t Ns, int64_t Vn) {
     int64_t i = 0;
 #ifdef __AVX__
     for (; i + 8 <= n; i += 8)
-        for (int64_t g = 0; g < ng; g++) {
-            vr p[8];
-            for (int j = 0; j < 8; j++) {
-                const float *row = rows + (i + j) * Dp;
-                vr s = {0};
-                for (int64_t v = 0; v < Vn; v++) s += VR(qx[g])[v] * VR(row)[v];
-                p[j] = s;
+        for (int64_t g = 0; g < ng; g += SCORE_HEADS) {
+            const float *r = rows + i * Dp, *z = qz ? qz + g : NULL;
+            float *out = sc + g * Ns + i;
+            switch (ng - g < SCORE_HEADS ? ng - g : SCORE_HEADS) {
+            case 1: score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn); break;
+#if SCORE_HEADS == 3
+            case 2: score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn); break;
+            case 3: score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn); break;
+#endif
             }
-            const v8 s8 = hsum8(p);
-            for (int j = 0; j < 8; j++) sc[g * Ns + i + j] = qz ? s8[j] + qz[g] : s8[j];
         }
 #endif
     for (; i < n; i++)
@@ -252,37 +287,57 @@ static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t 
         }
 }
 
-/* acc[g] += sum_i w[g * R + i] * x_i over the n packed rows, LANES channels (chunk c) at a time; x_i = rows[i], or
+/* acc[g][chunks c0 .. c0 + CT) += sum_i w[g * R + i] * x_i over the n packed rows, for NG heads; x_i = rows[i], or
  * with `scale` the dequantized rows[i] * scale[i * K + k] + zero[i * K + k] (k = c / cpk: the chunk's value
- * group; the same arithmetic as the reference's dequantization, in registers). The NG sums of a chunk stay
- * in registers across the rows (NG a constant in each of accumulate's cases) */
-static inline __attribute__((always_inline)) void accumulate_ng(
-        const int64_t NG, int64_t n, const float *restrict rows, int64_t Dp, const float *restrict w, int64_t R,
-        const float *restrict scale, const float *restrict zero, int64_t K, int64_t cpk, int64_t Vn,
-        float (*restrict acc)[MAX_D]) {
-    for (int64_t c = 0; c < Vn; c++) {
-        const int64_t k = scale ? c / cpk : 0;
-        vr r[8];
-        for (int64_t g = 0; g < NG; g++) r[g] = (vr){0};
-        for (int64_t i = 0; i < n; i++) {
-            vr x = VR(rows + i * Dp)[c];
-            if (scale) x = x * scale[i * K + k] + zero[i * K + k];
-            for (int64_t g = 0; g < NG; g++) r[g] += w[g * R + i] * x;
-        }
-        for (int64_t g = 0; g < NG; g++) VR(acc[g])[c] += r[g];
+ * group; the same arithmetic as the reference's dequantization, in registers). The NG x CT sums stay in
+ * registers across the rows, and each row's weights are broadcast once for its CT chunks (NG, CT constants) */
+static inline __attribute__((always_inline)) void accumulate_tile(
+        const int64_t NG, const int64_t CT, int64_t c0, int64_t n, const float *restrict rows, int64_t Dp,
+        const float *restrict w, int64_t R, const float *restrict scale, const float *restrict zero, int64_t K,
+        int64_t cpk, float (*restrict acc)[MAX_D]) {
+    vr r[VALUE_HEADS][VALUE_TILE];
+    int64_t k[VALUE_TILE];
+    for (int64_t t = 0; t < CT; t++) {
+        k[t] = scale ? (c0 + t) / cpk : 0;
+        for (int64_t g = 0; g < NG; g++) r[g][t] = (vr){0};
     }
+    for (int64_t i = 0; i < n; i++) {
+        vr wi[VALUE_HEADS];
+        for (int64_t g = 0; g < NG; g++) wi[g] = (vr){0} + w[g * R + i];
+        for (int64_t t = 0; t < CT; t++) {
+            vr x = VR(rows + i * Dp)[c0 + t];
+            if (scale) x = x * scale[i * K + k[t]] + zero[i * K + k[t]];
+            for (int64_t g = 0; g < NG; g++) r[g][t] += wi[g] * x;
+        }
+    }
+    for (int64_t t = 0; t < CT; t++)
+        for (int64_t g = 0; g < NG; g++) VR(acc[g])[c0 + t] += r[g][t];
 }
 
+static inline __attribute__((always_inline)) void accumulate_ng(
+        const int64_t NG, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R, const float *scale,
+        const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D]) {
+    int64_t c = 0;
+    for (; c + VALUE_TILE <= Vn; c += VALUE_TILE)
+        accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc);
+    for (; c < Vn; c++) accumulate_tile(NG, 1, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc);
+}
+
+/* acc[g] += sum_i w[g * R + i] * x_i for the ng heads, VALUE_HEADS at a time (each sum the same whatever the pass:
+ * over the rows in order, from zero, then added to acc) */
 static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R,
                        const float *scale, const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D]) {
-    switch (ng) {
+    for (int64_t g = 0; g < ng; g += VALUE_HEADS) {
+        const float *wg = w + g * R;
+        switch (ng - g < VALUE_HEADS ? ng - g : VALUE_HEADS) {
 #define CASE(NG) \
-    case NG: \
-        if (scale) accumulate_ng(NG, n, rows, Dp, w, R, scale, zero, K, cpk, Vn, acc); \
-        else accumulate_ng(NG, n, rows, Dp, w, R, NULL, NULL, 1, 1, Vn, acc); \
-        break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        case NG: \
+            if (scale) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g); \
+            else accumulate_ng(NG, n, rows, Dp, wg, R, NULL, NULL, 1, 1, Vn, acc + g); \
+            break;
+            CASE(1) CASE(2) CASE(3)
 #undef CASE
+        }
     }
 }
 
@@ -313,6 +368,47 @@ enum { SINK_K, SINK_V, FLOAT_K, FLOAT_V, KEY_SCALE, KEY_ZERO, VALUE_SCALE, VALUE
 /* element offset of block `blk` of head `h` in pool `p` */
 #define AT(p, h, blk) ((h) * a->st[p][0] + (blk) * a->st[p][1])
 
+/* Ask for the bytes one unit reads (its sink rows, its quantized blocks' codes and scales, its float-ring rows), a
+ * cache line at a time, so that they arrive while the unit before it computes. Between an engine's layers the
+ * pages fall out of the caches (the model's weights pass through them), and a unit's reads are a dozen short
+ * streams, too short for the hardware prefetcher: waiting on them cost about a third of a layer's decode. */
+static inline void prefetch_bytes(const void *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) {
+#if defined(__x86_64__) || defined(__i386__)  /* (gcc -O1 and up deletes a loop of __builtin_prefetch alone) */
+        __asm__ volatile("prefetcht1 %0" : : "m"(*((const char *)p + i)));
+#else
+        __builtin_prefetch((const char *)p + i, 0, 2);
+#endif
+    }
+}
+
+static void prefetch_unit(const Args *a, int64_t u) {
+    const int64_t h = u / a->B, b = u % a->B, D = a->D, bs = a->bs, S = a->S;
+    const int64_t Dc = a->bits == 4 ? D / 2 : D, se = elem_bytes(a->scale_dtype), groups = a->groups;
+    if (S) {
+        const int64_t page = a->sink_table[b], n = S * D * elem_bytes(a->sink_dtype);
+        prefetch_bytes((const char *)a->sink_k + AT(SINK_K, h, page) * elem_bytes(a->sink_dtype), n);
+        prefetch_bytes((const char *)a->sink_v + AT(SINK_V, h, page) * elem_bytes(a->sink_dtype), n);
+    }
+    for (int64_t j = 0; j < a->quant_slots; j++) {
+        const int64_t blk = a->quant_table[b * a->quant_slots + j];
+        if (blk < 0) continue;
+        prefetch_bytes(a->key_codes + AT(KEY_CODES, h, blk), bs * Dc);
+        prefetch_bytes(a->value_codes + AT(VALUE_CODES, h, blk), bs * Dc);
+        prefetch_bytes((const char *)a->key_scale + AT(KEY_SCALE, h, blk) * se, D * se);
+        prefetch_bytes((const char *)a->key_zero + AT(KEY_ZERO, h, blk) * se, D * se);
+        prefetch_bytes((const char *)a->value_scale + AT(VALUE_SCALE, h, blk) * se, bs * groups * se);
+        prefetch_bytes((const char *)a->value_zero + AT(VALUE_ZERO, h, blk) * se, bs * groups * se);
+    }
+    const int64_t we = elem_bytes(a->window_dtype);
+    for (int64_t f = 0; f < a->float_slots; f++) {
+        const int64_t blk = a->float_table[b * a->float_slots + f];
+        if (blk < 0) continue;
+        prefetch_bytes((const char *)a->float_k + AT(FLOAT_K, h, blk) * we, bs * D * we);
+        prefetch_bytes((const char *)a->float_v + AT(FLOAT_V, h, blk) * we, bs * D * we);
+    }
+}
+
 /* units [u0, u1) of h * B + b. Scratch: `scores` 8 rows of Ns floats, each row 64-byte aligned (so that the
  * vectorized softmax splits every row the same way, whatever the call): row g holds head g's scores of the seen
  * rows only, packed in slot order (the sinks, the quantized ring, the float ring), so that the softmax runs over
@@ -330,9 +426,11 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
     /* zeroed once: nothing below writes past D, so the padding stays 0 */
     float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ALIGN kz[MAX_D] = {0}, ks[MAX_D],
           qz[8];
+    if (u0 < u1) prefetch_unit(a, u0);
     for (int64_t u = u0; u < u1; u++) {
         const int64_t h = u / a->B, b = u % a->B;
         const float *bias = a->bias + b * N;
+        if (u + 1 < u1) prefetch_unit(a, u + 1);
         for (int64_t g0 = 0; g0 < G; g0 += 8) {  /* query heads 8 at a time */
             const int64_t ng = G - g0 < 8 ? G - g0 : 8;
             for (int64_t g = 0; g < ng; g++) {

@@ -1,5 +1,9 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
+# `python -m ...` from the repo root would put the root first on sys.path, where the folder kernels/ (installed
+# as qsinkkv.kernels) shadows HF's `kernels` library, which transformers >= 5.25 imports when it is installed
+# (bitsandbytes pulls it in). Python 3.11+: leave the current directory off sys.path
+export PYTHONSAFEPATH := 1
 
 .PHONY: install demo frontier test test-fast memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
 

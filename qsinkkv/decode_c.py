@@ -24,7 +24,9 @@ import tempfile
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -262,13 +264,38 @@ def _pools(s: LayerStorage, keep: list) -> tuple[dict, ctypes.Array]:
     if seen is not None:
         return seen
     pools = [_blocks_contiguous(t, keep) for t in tensors]
-    strides = (ctypes.c_int64 * 2 * 10)(*[(ctypes.c_int64 * 2)(t.stride(0), t.stride(1)) for t in pools])
-    seen = ({name: t.data_ptr() for name, t in zip(_POOLS, pools)}, strides)
+    seen = _pointers(pools)
     if all(p is t for p, t in zip(pools, tensors)):
         if len(_POOLS_SEEN) >= 256:  # a few models' layers; a new set of pools starts over
             _POOLS_SEEN.clear()
         _POOLS_SEEN[key] = seen
     return seen
+
+
+def _pointers(pools: list) -> tuple[dict, ctypes.Array]:
+    """The C struct's pool fields: ``{name: address}`` and the (head, block) strides, of the pools in ``_POOLS``
+    order."""
+    strides = (ctypes.c_int64 * 2 * 10)(*[(ctypes.c_int64 * 2)(t.stride(0), t.stride(1)) for t in pools])
+    return {name: t.data_ptr() for name, t in zip(_POOLS, pools)}, strides
+
+
+class _InPlace(NamedTuple):
+    """An engine layer's pools as the C structs read them in place: made once per layer (``EngineDecode.run``)."""
+    pointers: dict       # name -> address
+    addresses: tuple     # the same, as (name, address) pairs
+    strides: ctypes.Array
+    signature: tuple     # (shape, stride, dtype) of each pool: a later layer's structs are the first's if equal
+
+
+def _in_place(pools: dict[str, Tensor]) -> _InPlace | None:
+    """``_InPlace`` of ``pools`` (every ``LayerStorage`` pool, by name), or None if a pool's blocks are not
+    contiguous (the C code would read a copy)."""
+    tensors = [pools[name] for name in _POOLS]
+    if any(_blocks_contiguous(t, []) is not t for t in tensors) or any(t.device.type != "cpu" for t in tensors):
+        return None
+    pointers, strides = _pointers(tensors)
+    return _InPlace(pointers, tuple(pointers.items()), strides,
+                    tuple((t.shape, t.stride(), t.dtype) for t in tensors))
 
 
 def _blocks_contiguous(pool: Tensor, keep: list) -> Tensor:
@@ -398,54 +425,56 @@ class EngineDecode:
         self.index = [t.contiguous() for t in (self.plan.full_at, self.plan.full_rows, self.plan.full_block,
                                                 self.plan.full_from, self.plan.float_at, self.plan.float_rows,
                                                 self.plan.float_row)]
-        self.tables = (store.sink_table, store.float_table, store.quant_table)
+        self.store = store  # a later layer's record: this one with that layer's pools
         self.layout = layout
         # the first layer's C structs; a later layer whose tensors lie the same way changes only their pointers
         # (every layer of an engine has pools of one shape: building three structs per layer cost ~30 us)
         self._structs = None
 
-    def run(self, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
+    def run(self, layer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
             out: Tensor | None = None) -> Tensor | None:
         """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` in q's dtype (or into ``out``, a
-        contiguous ``[B, H, D]`` float32/bf16/fp16 tensor, rounded as ``.to()`` rounds), stored into ``store`` (this
-        step's record of a layer: the same tables, other pools), or None (nothing written)."""
-        if _lib is None or q.dtype not in _DTYPES or any(
-                t is not u for t, u in zip(self.tables, (store.sink_table, store.float_table, store.quant_table))):
+        contiguous ``[B, H, D]`` float32/bf16/fp16 tensor, rounded as ``.to()`` rounds), stored into ``layer``'s pools
+        (an ``engine_pages.LayerPools``: ``pools`` by name, and ``derived``, where their pointers are kept for
+        every later step), or None (nothing written)."""
+        if _lib is None or q.dtype not in _DTYPES:
             return None
         if out is not None and (out.shape != q.shape or out.dtype not in _DTYPES or not out.is_contiguous()
                                 or out.device.type != "cpu"):
             raise ValueError(f"out must be a contiguous CPU {list(q.shape)} tensor of float32, bfloat16 or float16, "
                              f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
+        pools = layer.derived.get("c")
+        if pools is None:
+            pools = layer.derived["c"] = _in_place(layer.pools)
+        if not pools:  # a pool the C code would read through a copy: writing the copy would not write the pool
+            return None
         out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
-        pools = [getattr(store, name) for name in _POOLS]
         scale = q.shape[2] ** -0.5 if scale is None else scale
-        lies = (tuple((t.shape, t.stride(), t.dtype) for t in pools), q.shape, q.stride(), q.dtype, k.shape,
-                k.stride(), k.dtype, v.stride(), v.dtype, out.dtype, scale)
+        lies = (pools.signature, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.stride(), v.dtype,
+                out.dtype, scale)
         if self._structs is not None and self._structs[0] == lies:
-            a, c, st = self._structs[1:4]
-            for name, t in zip(_POOLS, pools):
-                setattr(a, name, t.data_ptr())
+            a, c, st, bound = self._structs[1:5]
+            for name, address in pools.addresses:
+                setattr(a, name, address)
             a.q, a.out = q.data_ptr(), out.data_ptr()
             c.x_k = st.x_k = k.data_ptr()
             c.x_v = st.x_v = v.data_ptr()
-            st.pool_k, st.pool_v = store.float_k.data_ptr(), store.float_v.data_ptr()
+            st.pool_k, st.pool_v = pools.pointers["float_k"], pools.pointers["float_v"]
         else:
             keep = []
-            pools = _pools(store, keep)
-            if keep:  # a pool copied (its blocks not contiguous): writing the copy would not write the pool
-                return None
+            store = replace(self.store, **layer.pools)
             q_rows, q_stride = _rows(q, keep)
             k_rows, v_rows, _ = _kv_rows(k, v, keep)
             # kept for the later layers only if q, k and v are read as they lie (no copy of this layer's)
             as_laid = q_rows is q and k_rows is k and v_rows is v
-            a = _args(store, keep, pools, B=q.shape[0], G=q.shape[1] // store.num_kv_heads, q=q_rows.data_ptr(),
-                      q_dtype=_DTYPES[q.dtype], q_stride=q_stride, bias=self.bias.data_ptr(), sink_logits=None,
-                      scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
+            a = _args(store, keep, (pools.pointers, pools.strides), B=q.shape[0], G=q.shape[1] // store.num_kv_heads,
+                      q=q_rows.data_ptr(), q_dtype=_DTYPES[q.dtype], q_stride=q_stride, bias=self.bias.data_ptr(),
+                      sink_logits=None, scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
             c = _complete_struct(store, k_rows, v_rows, self.index[:4], keep)
             st = _store_struct(store.float_k, store.float_v, store.float_table, k_rows, v_rows, self.index[4:],
                                self.layout.block_size, keep)
-            self._structs = (lies, a, c, st, keep) if as_laid else None  # keep: what the structs point into
-        bound = checks_bound(self.layout.config.window_dtype, k.dtype)
+            bound = checks_bound(self.layout.config.window_dtype, k.dtype)
+            self._structs = (lies, a, c, st, bound, keep) if as_laid else None  # keep: what the structs point into
         if _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound):
             return None
         _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)

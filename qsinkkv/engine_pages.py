@@ -18,9 +18,11 @@ running sequence (``FloatRings`` says which), sized once and counted wherever me
 ``step_tables`` turns a step's block table into the tables of two records over the same pools: the
 quantized ring as it stands (``read``: what the prefill reads) and with this step's completing blocks at
 their new pages (``store``: where the write puts them, what the decode reads); ``attend_packed`` runs one
-layer's packed step (``step.attend_split``, the code ``SinkQuantCache`` runs) over them. A ring slot whose
-block is gone, not yet written, or no longer visible names the engine's null page, which holds zeros: an op
-reads only pages the sequence holds or zeros, never another sequence's bytes (a freed page may hold anything).
+layer's packed step (``step.attend_split``, the code ``SinkQuantCache`` runs) over them. ``EngineStep`` holds a
+step's tables and runs each layer over its pools (``LayerPools``, made once for the engine's life). A ring
+slot whose block is gone, not yet written, or no longer visible names the engine's null page, which holds
+zeros: an op reads only pages the sequence holds or zeros, never another sequence's bytes (a freed page may
+hold anything).
 
 Imports the qsinkkv core only (no engine).
 """
@@ -212,17 +214,24 @@ def ring_table(layout: WindowLayout, rings: Tensor) -> Tensor:
     return rings.unsqueeze(1) * nf + torch.arange(nf)
 
 
-def storages(page_pools: dict[str, Tensor], float_k: Tensor, float_v: Tensor, layout: WindowLayout,
-             tables: tuple[Tensor, Tensor, Tensor], float_table: Tensor, held: Tensor
-             ) -> tuple[LayerStorage, LayerStorage]:
-    """The ``(read, store)`` records of one layer for a step: the page pools (``PageLayout.views``), the float
-    pools ``float_k, float_v [Hkv, rings * float_slots, bs, D]``, the step's tables (``step_tables``, and
+class LayerPools:
+    """One layer's storage in an engine, for the engine's life: the pools over its pages (``PageLayout.views``) and
+    its float rings ``float_k, float_v [Hkv, rings * float_slots, bs, D]``. ``derived``: what an op computes from
+    the pools once and keeps for every step (the C decode's pointers and strides)."""
+
+    def __init__(self, pages: dict[str, Tensor], float_k: Tensor, float_v: Tensor):
+        self.pools = {**pages, "float_k": float_k, "float_v": float_v}  # every LayerStorage pool, by name
+        self.derived: dict = {}
+
+
+def storages(layer: LayerPools, layout: WindowLayout, tables: tuple[Tensor, Tensor, Tensor], float_table: Tensor,
+             held: Tensor) -> tuple[LayerStorage, LayerStorage]:
+    """The ``(read, store)`` records of one layer for a step: its pools, the step's tables (``step_tables``, and
     ``ring_table`` for the float pools: computed once per step, for every layer); one ``seq_lens`` (a copy of
     ``held``), which the write advances."""
     sink_table, quant_read, quant_store = tables
-    device = float_k.device
-    read = LayerStorage(layout, **page_pools, float_k=float_k, float_v=float_v,
-                        sink_table=sink_table.to(device), float_table=float_table.to(device),
+    device = layer.pools["float_k"].device
+    read = LayerStorage(layout, **layer.pools, sink_table=sink_table.to(device), float_table=float_table.to(device),
                         quant_table=quant_read.to(device), seq_lens=held.clone(), dense=False)
     return read, replace(read, quant_table=quant_store.to(device))
 
@@ -245,33 +254,43 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
     return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
 
 
-class DecodeStep:
-    """One engine step for every layer: ``attend`` runs a layer's packed step as ``attend_packed`` does. A step in
-    which every row brings one token past its sinks (the common decode step), on ops that have an engine decode
-    (``Ops.engine_decode``: the C one), runs the checks, the write and the decode in two C calls per layer,
-    prepared once for all layers at the first; any other step, or one those refuse (a NaN, a scale that
-    overflows: nothing was written), runs ``attend_packed``, which raises by name. ``held``, ``lens`` [B] host."""
+class EngineStep:
+    """One engine step for every layer: the step's tables, made once (``step_tables``, ``ring_table``), and
+    ``attend``, which runs one layer's packed step as ``attend_packed`` does. A step in which every row brings
+    one token past its sinks (the common decode step), on ops that have an engine decode (``Ops.engine_decode``:
+    the C one), runs the checks, the write and the decode in two C calls per layer, prepared once for all layers
+    at the first, with no per-layer record; any other step, or one those refuse (a NaN, a scale that overflows:
+    nothing was written), runs ``attend_packed`` over the layer's records, which raises by name.
+    ``held``, ``lens`` [B] host int64, ``qsl`` [B + 1]."""
 
-    def __init__(self, held: Tensor, lens: Tensor, sink_tokens: int):
-        self.decoding = bool((lens == 1).all()) and bool((held >= max(sink_tokens, 1)).all())
+    def __init__(self, layout: WindowLayout, held: Tensor, lens: Tensor, tables: tuple[Tensor, Tensor, Tensor],
+                 float_table: Tensor):
+        self.layout, self.held, self.tables, self.float_table = layout, held, tables, float_table
+        self.query_start_loc = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
+        self.decoding = bool((lens == 1).all()) and bool((held >= max(layout.sink_tokens, 1)).all())
         self._engine = None
         self.fused_layers = 0  # layers that ran fused (the others ran attend_packed)
+
+    def records(self, layer: LayerPools) -> tuple[LayerStorage, LayerStorage]:
+        """``storages`` of ``layer`` for this step."""
+        return storages(layer, self.layout, self.tables, self.float_table, self.held)
 
     def fused(self, ops) -> bool:
         return self.decoding and ops.engine_decode is not None
 
-    def attend(self, ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, *,
-               scale: float | None = None, out: Tensor | None = None) -> Tensor:
-        """``attend_packed``'s result in q's dtype, or written into ``out`` (``[N, H, D]``, contiguous; the engine's
-        output buffer: a fused step writes it in place, in its dtype) and returned."""
+    def attend(self, ops, layer: LayerPools, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
+               out: Tensor | None = None) -> Tensor:
+        """``attend_packed``'s result for ``layer`` in q's dtype, or written into ``out`` (``[N, H, D]``, contiguous;
+        the engine's output buffer: a fused step writes it in place, in its dtype) and returned."""
         if self.fused(ops):
             if self._engine is None:
-                self._engine = ops.engine_decode(store)
-            done = self._engine.run(store, q, k, v, scale, out)
+                self._engine = ops.engine_decode(self.records(layer)[1])
+            done = self._engine.run(layer, q, k, v, scale, out)
             if done is not None:
                 self.fused_layers += 1
                 return done
-        result = attend_packed(ops, read, store, q, k, v, qsl, scale=scale)
+        read, store = self.records(layer)
+        result = attend_packed(ops, read, store, q, k, v, self.query_start_loc, scale=scale)
         return result if out is None else out.copy_(result)
 
 

@@ -1,7 +1,14 @@
 import os
+import sys
 
-import pytest
-import torch
+# `python -m pytest` from the repo root puts the root on sys.path, where kernels/ (installed as qsinkkv.kernels)
+# would shadow HF's `kernels` library that transformers imports (`make test` also sets PYTHONSAFEPATH)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _ROOT]
+os.environ.setdefault("PYTHONSAFEPATH", "1")  # and off the path of the Python processes the tests start
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run natively on CUDA; elsewhere under Triton's interpreter on the CPU.
 # The variable must be set before triton.jit decorates the kernels (at import).

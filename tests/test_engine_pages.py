@@ -9,8 +9,9 @@ import torch
 
 from qsinkkv import CacheConfig
 from qsinkkv.engine_pages import (
-    DecodeStep,
+    EngineStep,
     FloatRings,
+    LayerPools,
     PageLayout,
     attend_packed,
     first_page,
@@ -90,10 +91,10 @@ def _schedule(seed, steps=40):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("backend", ["torch", "c"])
 @pytest.mark.parametrize("shuffled", [False, True])
-@pytest.mark.parametrize("through", ["attend_packed", "DecodeStep", "DecodeStep into bf16"])
+@pytest.mark.parametrize("through", ["attend_packed", "EngineStep", "EngineStep into bf16"])
 def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
     """Rows in PagedCache's order: bit for bit. In the engine's own order (shuffled): within float32 rounding
-    (the prefill's SDPA sums a batch's rows in another order). ``DecodeStep`` (what the vLLM backend calls: the
+    (the prefill's SDPA sums a batch's rows in another order). ``EngineStep`` (what the vLLM backend calls: the
     decode steps in two C calls on the c backend) gives the same; written into the engine's bf16 output buffer
     (``out=``), the same bits as PagedCache's result rounded by ``.to(bfloat16)``."""
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=bits, block_size=8, value_group_size=8,
@@ -105,10 +106,9 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
     buf = raw[:, :pl.page_bytes]
     engine = Engine(layout, num_pages, seed=bits)
     engine.garbage(range(1, num_pages), buf)
-    pools = pl.views(buf)
     rings = FloatRings(8)
     float_k = torch.zeros(Hkv, 8 * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
-    float_v = torch.zeros_like(float_k)
+    layer = LayerPools(pl.views(buf), float_k, torch.zeros_like(float_k))
     ops = select_ops(backend, torch.device("cpu"), D, None)
     ref = PagedCache(cfg, 1, Hkv, D, max_seqs=8, float_blocks=32, quant_blocks=64, dtype=torch.float32,
                      backend=backend)
@@ -135,17 +135,17 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
         width = max(len(engine.tables[s]) for s in seqs) + 2
         tables = step_tables(layout, engine.block_table(seqs, width), before, lens)
         ring = rings.rings(tables[0], before)
-        read, store = storages(pools, float_k, float_v, layout, tables, ring_table(layout, ring), before)
         into = None
-        if through.startswith("DecodeStep"):
-            decode_step = DecodeStep(before, lens, cfg.sink_tokens)
+        if through.startswith("EngineStep"):
+            engine_step = EngineStep(layout, before, lens, tables, ring_table(layout, ring))
             into = torch.full(q.shape, float("nan"), dtype=torch.bfloat16) if through.endswith("bf16") else None
-            out = decode_step.attend(ops, read, store, q, k, v, qsl, out=into)
+            out = engine_step.attend(ops, layer, q, k, v, out=into)
             assert into is None or out is into
-            fused += decode_step.fused_layers
-            store.seq_lens += lens * decode_step.fused_layers  # (a fused step advances no record: they are the step's)
+            fused += engine_step.fused_layers
         else:
+            read, store = storages(layer, layout, tables, ring_table(layout, ring), before)
             out = attend_packed(ops, read, store, q, k, v, qsl)
+            assert store.seq_lens.tolist() == (before + lens).tolist()
         # the same K/V through PagedCache: every admitted row, in its own order (0 tokens: it waits)
         rows = ref.seq_ids
         row_of = {ids[s]: i for i, s in enumerate(seqs)}
@@ -162,7 +162,6 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
             torch.testing.assert_close(out[order], expect, rtol=0, atol=1e-6)
         else:
             assert torch.equal(out[order], expect), f"step {step}: max diff {(out[order] - expect).abs().max()}"
-        assert store.seq_lens.tolist() == (before + lens).tolist()
         for s in seqs:
             held[s] += step[s]
         for s in finished:
@@ -170,7 +169,7 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
             ref.release(ids.pop(s))
             del held[s]
         assert rings.in_use() == len(ids)
-    assert (fused >= 5) == (through.startswith("DecodeStep") and backend == "c"), fused
+    assert (fused >= 5) == (through.startswith("EngineStep") and backend == "c"), fused
 
 
 def step_by_id(step, ids, sid):
@@ -231,7 +230,7 @@ def test_refused_step_changes_no_page_ring_or_length():
         {"k": k, "v": v, "q": q}[bad][9, 0, 1] = float("nan")
         tables = step_tables(layout, table, held, lens)
         float_table = ring_table(layout, rings.rings(tables[0], held))
-        read, store = storages(pools, float_k, float_v, layout, tables, float_table, held)
+        read, store = storages(LayerPools(pools, float_k, float_v), layout, tables, float_table, held)
         before = (buf.clone(), float_k.clone(), float_v.clone(), store.seq_lens.clone())
         with pytest.raises(ValueError, match=bad):
             attend_packed(ops, read, store, q, k, v, qsl)
@@ -271,12 +270,10 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
         elif poison in ("k", "v", "q"):
             {"k": k, "v": v, "q": q}[poison][1, 0, 1] = float("nan")
         tables = step_tables(layout, table, held, lens)
-        read, store = storages(pools, float_k, float_v, layout, tables,
-                               ring_table(layout, rings.rings(tables[0], held)), held)
-        decode_step = DecodeStep(held, lens, cfg.sink_tokens)
-        assert decode_step.fused(ops) == (poison is not None)
+        engine_step = EngineStep(layout, held, lens, tables, ring_table(layout, rings.rings(tables[0], held)))
+        assert engine_step.fused(ops) == (poison is not None)
         out = torch.empty(q.shape, dtype=torch.float64) if poison == "out" else None
-        return decode_step.attend(ops, read, store, q, k, v, qsl, out=out)
+        return engine_step.attend(ops, LayerPools(pools, float_k, float_v), q, k, v, out=out)
 
     step(torch.tensor([0, 0]), torch.tensor([12, 10]))   # prompts (row 1 completes a block with its next token)
     held = torch.tensor([12, 10])
@@ -288,7 +285,7 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_one_decode_step_over_many_layers_equals_each_alone(bits):
-    """One ``DecodeStep`` for every layer of a step, as the vLLM backend runs it: the C structs of the first layer
+    """One ``EngineStep`` for every layer of a step, as the vLLM backend runs it: the C structs of the first layer
     are kept and a later layer changes only their pointers. Each layer (its own pages, float pools, q, k, v; q
     and k, v also as strided views of one fused qkv row, and two layers' q copied because their rows are not
     contiguous) must give, bit for bit, what ``attend_packed`` gives on a copy of that layer alone, and write
@@ -304,6 +301,7 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
     bufs = [torch.zeros(1 + B * per, pl.page_bytes, dtype=torch.uint8) for _ in range(L)]
     floats = [(torch.zeros(Hkv, B * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype),
                torch.zeros(Hkv, B * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)) for _ in range(L)]
+    layers = [LayerPools(pl.views(buf), *f) for buf, f in zip(bufs, floats)]  # once, as an engine makes them
     table = 1 + torch.arange(B * per).view(B, per)
     rings = FloatRings(B)
     held = torch.zeros(B, dtype=torch.int64)
@@ -313,7 +311,7 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
         N = int(qsl[-1])
         tables = step_tables(layout, table, held, lens)
         ring = ring_table(layout, rings.rings(tables[0], held))
-        decode_step = DecodeStep(held, lens, cfg.sink_tokens)
+        engine_step = EngineStep(layout, held, lens, tables, ring)
         for layer in range(L):
             qkv = torch.randn(N, (Hkv * G + 2 * Hkv) * D, generator=g, dtype=torch.bfloat16)
             q = qkv[:, :Hkv * G * D].view(N, Hkv * G, D)
@@ -322,13 +320,12 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
             if layer >= 2:  # rows not contiguous: these layers read a copy of q and keep no structs
                 q = torch.randn(N, D, Hkv * G, generator=g, dtype=torch.bfloat16).transpose(1, 2)
             copies = (bufs[layer].clone(), floats[layer][0].clone(), floats[layer][1].clone())
-            read, store = storages(pl.views(copies[0]), copies[1], copies[2], layout, tables, ring, held)
+            read, store = storages(LayerPools(pl.views(copies[0]), *copies[1:]), layout, tables, ring, held)
             expect = attend_packed(ops, read, store, q, k, v, qsl, scale=0.3)
-            read, store = storages(pl.views(bufs[layer]), *floats[layer], layout, tables, ring, held)
-            out = decode_step.attend(ops, read, store, q, k, v, qsl, scale=0.3)
+            out = engine_step.attend(ops, layers[layer], q, k, v, scale=0.3)
             assert torch.equal(out, expect), f"layer {layer}, lens {lens.tolist()}"
             assert torch.equal(bufs[layer], copies[0]) and torch.equal(floats[layer][0], copies[1]) \
                 and torch.equal(floats[layer][1], copies[2])
-        fused += decode_step.fused_layers
+        fused += engine_step.fused_layers
         held = held + lens
     assert fused == 20 * L

@@ -121,9 +121,9 @@ def _capture_first_layer(captured: list) -> None:
             if layer.layer_name == first[0]:
                 n = attn_metadata.num_actual_tokens
                 captured.append({"backend": self.ops.backend, "q": query[:n].clone(), "k": key[:n].clone(),
-                                 "v": value[:n].clone(), "qsl": attn_metadata.query_start_loc.clone(),
-                                 "held": attn_metadata.held.clone(),
-                                 "sink_pages": attn_metadata.tables[0].clone(),
+                                 "v": value[:n].clone(), "qsl": attn_metadata.step.query_start_loc.clone(),
+                                 "held": attn_metadata.step.held.clone(),
+                                 "sink_pages": attn_metadata.step.tables[0].clone(),
                                  "out": output[:n].view(n, -1, query.shape[-1]).clone()})
         return result
 

@@ -9,10 +9,11 @@ allocated once when the layer is built; ``engine_pages.float_ring_bytes`` says h
 comparison.
 
 Per step the metadata builder (once, for all layers) turns vLLM's block table into the tables of
-``engine_pages.step_tables`` and each request's float ring; per layer the forward runs the step's
-``engine_pages.DecodeStep``: ``attend_packed`` (qsinkkv's checks, write (quantize-once as a block completes),
-prefill and decode -- the code ``PagedCache`` runs, so one layer's output equals ``PagedCache`` fed the same
-K/V), or for a decode step on the CPU the same checks, write and decode in two C calls, the same bits.
+``engine_pages.step_tables`` and each request's float ring, held by the step's ``engine_pages.EngineStep``; per
+layer the forward runs it over the layer's pools (``engine_pages.LayerPools``, made once): ``attend_packed``
+(qsinkkv's checks, write (quantize-once as a block completes), prefill and decode -- the code ``PagedCache``
+runs, so one layer's output equals ``PagedCache`` fed the same K/V), or for a decode step on the CPU the same
+checks, write and decode in two C calls, the same bits.
 The ops: on the CPU ``select_ops("auto")``, the C decode where it compiles (it steps through the pools by
 their strides, so it reads vLLM's block-major pages in place), else torch; on CUDA torch (qsinkkv's Triton
 kernels index contiguous head-major pools, not pages: not wired, and untested with vLLM on a GPU).
@@ -33,7 +34,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...config import CacheConfig
-from ...engine_pages import DecodeStep, PageLayout, ring_table, step_tables, storages
+from ...engine_pages import EngineStep, LayerPools, PageLayout, ring_table, step_tables
 from ...layout import WindowLayout
 from ...ops import select_ops
 from . import state
@@ -42,13 +43,8 @@ from .spec import QSinkKVSpec
 
 @dataclass
 class QuantMetadata:
-    layout: WindowLayout         # one for every layer: its visible-bias memo serves them all
     num_actual_tokens: int
-    query_start_loc: Tensor      # [B + 1] host int64
-    held: Tensor                 # [B] host int64: tokens each request held before this step
-    tables: tuple                # engine_pages.step_tables: sink_table [B], quant_read, quant_store [B, nq]
-    float_table: Tensor          # [B, float_slots] host int64: each request's float ring (engine_pages.ring_table)
-    step: DecodeStep             # runs each layer's step (a decode step fused, prepared once for every layer)
+    step: EngineStep  # the step's tables; runs each layer (a decode step fused, prepared once for every layer)
 
 
 class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
@@ -57,7 +53,7 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if not isinstance(kv_cache_spec, QSinkKVSpec) or kv_cache_spec.bits == 16:
             raise TypeError(f"qsinkkv's quantized backend needs its own KV cache spec, got {kv_cache_spec!r}")
-        self.layout = WindowLayout(state.active())
+        self.layout = WindowLayout(state.active())  # one for every layer: its visible-bias memo serves them all
         self.rings = state.float_rings(vllm_config.scheduler_config.max_num_seqs)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -69,8 +65,8 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         held = m.seq_lens[:B].cpu().long() - lens
         tables = step_tables(self.layout, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
         rings = self.rings.rings(tables[0], held)
-        return QuantMetadata(self.layout, m.num_actual_tokens, qsl, held, tables, ring_table(self.layout, rings),
-                             DecodeStep(held, lens, self.layout.sink_tokens))
+        return QuantMetadata(m.num_actual_tokens,
+                             EngineStep(self.layout, held, lens, tables, ring_table(self.layout, rings)))
 
 
 class QuantImpl(AttentionImpl):
@@ -94,7 +90,7 @@ class QuantImpl(AttentionImpl):
         self.float_v = torch.zeros(shape, dtype=cfg.window_dtype, device=device)
         backend = "auto" if self.float_k.device.type == "cpu" else "torch"
         self.ops = select_ops(backend, self.float_k.device, head_size, None)
-        self._views = None  # (kv_cache data_ptr, the pools over it)
+        self._layer = None  # (kv_cache data_ptr, the LayerPools over it)
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                 attn_metadata: QuantMetadata | None, output: Tensor, output_scale: Tensor | None = None,
@@ -103,25 +99,23 @@ class QuantImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported by qsinkkv's backend")
         if attn_metadata is None:  # warm-up
             return output
-        md = attn_metadata
-        n = md.num_actual_tokens
-        read, store = storages(self._pools(kv_cache), self.float_k, self.float_v, md.layout, md.tables, md.float_table,
-                               md.held)
+        n = attn_metadata.num_actual_tokens
         H, D = self.num_heads, self.head_size
         into = output.view(-1, H, D)[:n]
         into = into if into.is_contiguous() else None
-        out = md.step.attend(self.ops, read, store, query[:n].view(n, H, D), key[:n], value[:n], md.query_start_loc,
-                             scale=self.scale, out=into)
+        out = attn_metadata.step.attend(self.ops, self._pools(kv_cache), query[:n].view(n, H, D), key[:n], value[:n],
+                                        scale=self.scale, out=into)
         if into is None:
             output.view(-1, H, D)[:n] = out.to(output.dtype)
         return output
 
-    def _pools(self, kv_cache: Tensor) -> dict[str, Tensor]:
-        """The LayerStorage pools over this layer's pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8), made
-        once."""
-        if self._views is None or self._views[0] != kv_cache.data_ptr():
-            self._views = (kv_cache.data_ptr(), self.pages.views(kv_cache[:, 0, 0]))
-        return self._views[1]
+    def _pools(self, kv_cache: Tensor) -> LayerPools:
+        """This layer's pools: over its pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8) and its float rings,
+        made once."""
+        if self._layer is None or self._layer[0] != kv_cache.data_ptr():
+            self._layer = (kv_cache.data_ptr(), LayerPools(self.pages.views(kv_cache[:, 0, 0]), self.float_k,
+                                                           self.float_v))
+        return self._layer[1]
 
 
 def impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,

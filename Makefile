@@ -1,9 +1,9 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
-# `python -m ...` from the repo root would put the root first on sys.path, where the folder kernels/ (installed
-# as qsinkkv.kernels) shadows HF's `kernels` library, which transformers >= 5.25 imports when it is installed
-# (bitsandbytes pulls it in). Python 3.11+: leave the current directory off sys.path
-export PYTHONSAFEPATH := 1
+# `python -m ...` from the repo root puts the root first on sys.path, where the folder kernels/ (installed as
+# qsinkkv.kernels) shadows HF's `kernels` library, which transformers >= 5.25 imports when it is installed:
+# the module commands run with the current directory off sys.path (Python 3.11+; tests/conftest.py drops it too)
+MODULE := PYTHONSAFEPATH=1 $(PYTHON) -m
 
 .PHONY: install demo frontier test test-fast memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
 
@@ -16,24 +16,24 @@ install:
 
 # The main job: the eval report on the embedded default model and text (a few minutes on 2 CPU cores)
 demo: install
-	$(PYTHON) -m qsinkkv.eval report --out out/report
+	$(MODULE) qsinkkv.eval report --out out/report
 
 # Bytes per token against KL over the default grid and every baseline, the Pareto frontier
 # (out/frontier/report.md, frontier.png)
 frontier: install
-	$(PYTHON) -m qsinkkv.eval frontier --out out/frontier
+	$(MODULE) qsinkkv.eval frontier --out out/frontier
 
 # lint, then the tests: what CI runs (.ci/run). Two pytest-xdist workers, a test file each at a time (a file's
 # model and report fixtures are built once), each with half the cores (tests/conftest.py)
 test: install
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile
+	$(MODULE) pytest -q -n 2 --dist loadfile
 
 # lint, then the fast lane: every test but those that load the real model (marker `model`) or take more than ~5 s
 # (marker `slow`; both registered in tests/conftest.py). About 1.5 minutes on 2 cores; `make test` stays the full suite
 test-fast: install
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not model and not slow"
+	$(MODULE) pytest -q -n 2 --dist loadfile -m "not model and not slow"
 
 memory: install
 	$(PYTHON) benchmarks/memory.py

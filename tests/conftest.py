@@ -2,10 +2,10 @@ import os
 import sys
 
 # `python -m pytest` from the repo root puts the root on sys.path, where kernels/ (installed as qsinkkv.kernels)
-# would shadow HF's `kernels` library that transformers imports (`make test` also sets PYTHONSAFEPATH)
+# would shadow HF's `kernels` library that transformers imports
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _ROOT]
-os.environ.setdefault("PYTHONSAFEPATH", "1")  # and off the path of the Python processes the tests start
+os.environ.pop("PYTHONSAFEPATH", None)  # (`make test` sets it: the scripts the tests run need their own folder)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -125,7 +125,7 @@ def test_sigterm_while_writing_cleans_up(tmp_path):
         sys.exit(cli.main(["ppl", "--out", {str(out)!r}]))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          check=False)
+                          check=False, cwd=tmp_path)  # (the repo root, `-c`'s first path entry, holds kernels/)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
     assert (tmp_path / "keep.txt").read_text() == "mine"

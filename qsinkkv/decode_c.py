@@ -220,6 +220,44 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     return out.to(q.dtype)
 
 
+def decode_blocks_c(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, bias: Tensor, *, scale: float,
+                    out: Tensor | None = None) -> Tensor:
+    """Decode over float blocks named by a table, what each query sees given by a bias (an engine's own
+    position-aligned pages: vLLM's, bits=16): ``q [B, H, D]``; ``k_pool, v_pool [Hkv, blocks, bs, D]`` (any head
+    and block strides, each block's rows ``D`` apart); ``block_table [B, nb]`` int64, the blocks row b reads in
+    order (-1: none); ``bias [B, nb * bs]`` float32, 0 where the query sees the slot, -inf where not ->
+    ``[B, H, D]`` in q's dtype (or into ``out``, contiguous, float32/bf16/fp16), computed in float32. The C decode
+    with no sink segment and no quantized ring: the same loops, the same bits for a row alone or in a batch."""
+    if _lib is None:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(f"the C decode is not available: {why}")
+    B, H, D = q.shape
+    Hkv, _, bs, _ = k_pool.shape
+    nb = block_table.shape[1]
+    expect = (B, nb * bs)
+    if bias.shape != expect or bias.dtype != torch.float32 or block_table.shape[0] != B:
+        raise ValueError(f"bias must be float32 {list(expect)} and block_table [B={B}, nb], got bias {bias.dtype} "
+                         f"{list(bias.shape)}, block_table {list(block_table.shape)}")
+    if D > MAX_HEAD_DIM or k_pool.shape != v_pool.shape or k_pool.shape[3] != D or H % Hkv:
+        raise ValueError(f"k_pool, v_pool must be [Hkv, blocks, bs, D={D}] (D <= {MAX_HEAD_DIM}, H={H} a multiple "
+                         f"of Hkv), got {list(k_pool.shape)} and {list(v_pool.shape)}")
+    keep = []
+    k, v = (_blocks_contiguous(t, keep) for t in (k_pool, v_pool))
+    table, bias = _contiguous(block_table.long(), keep), _contiguous(bias, keep)
+    qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
+    out = torch.empty(B, H, D, dtype=qr.dtype) if out is None else out
+    pointers, strides = _pointers([k, v, k, v, k, k, k, k, k, k])  # _POOLS order; no sink or quantized pool is read
+    dt = _DTYPES[k.dtype]
+    a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
+              **pointers, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt, sink_table=table.data_ptr(),
+              float_table=table.data_ptr(), quant_table=table.data_ptr(), q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype],
+              q_stride=q_stride, bias=bias.data_ptr(), sink_logits=None, scale=scale, out=out.data_ptr(),
+              out_dtype=_DTYPES[out.dtype])
+    _decode_units(a, Hkv * B, nb * bs * D)
+    return out
+
+
 def _decode_units(a: _Args, units: int, per_unit: int) -> None:
     """Run the decode's ``units`` (KV head, sequence) pairs, each ``per_unit`` slot-channels of work, on this thread
     and, when each gets ``THREAD_WORK``, on up to ``torch.get_num_threads() - 1`` more."""

@@ -28,7 +28,7 @@ import torch
 
 from . import decode_c, quant, write
 from .decode import decode_attention_reference, decode_attention_torch
-from .prefill import prefill_attention_reference, prefill_attention_torch
+from .prefill import prefill_attention_reference, prefill_attention_torch, prefill_fresh_packed
 from .rope import Rotary
 
 BACKENDS = ("auto", "torch", "c", "triton")
@@ -46,7 +46,10 @@ class Ops:
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
     writer: write.Writer = write.WRITER_TORCH  # how the write's blocks and rows are written
-    engine_decode: type | None = None  # an engine's decode step in one piece (engine_pages.DecodeStep), if any
+    engine_decode: type | None = None  # an engine's decode step in one piece (engine_pages.EngineStep), if any
+    # a packed step's prefill of rows that start fresh within S + W, on its tokens where they lie (the causal
+    # mask; prefill_attention_torch's own shortcut for such rows), if the backend's prefill has that shortcut
+    prefill_fresh: Callable | None = None
 
 
 def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None,
@@ -61,7 +64,7 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     check_decode_variant(decode_variant, backend, rotary)
     if backend == "c":
         return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C,
-                   decode_c.EngineDecode)
+                   decode_c.EngineDecode, prefill_fresh_packed)
     if backend == "triton":
         from . import kernels
         return Ops("triton", kernels,
@@ -70,7 +73,7 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     # the CPU decode's products and SDPA's prefill need keys at their final rotation; under cache_index
     # each key turns by its index
     if rotary is None:
-        return Ops("torch", quant, decode_attention_torch, prefill_attention_torch)
+        return Ops("torch", quant, decode_attention_torch, prefill_attention_torch, prefill_fresh=prefill_fresh_packed)
     return Ops("torch", quant, functools.partial(decode_attention_reference, rotary=rotary),
                functools.partial(prefill_attention_reference, rotary=rotary))
 

@@ -77,9 +77,7 @@ def _fresh_causal(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float
     out = q.new_zeros(q.shape)
 
     def attend(rows: slice, t: int) -> None:
-        x = [y[rows, :, :t].to(work) for y in (q, k, v)]
-        out[rows, :, :t] = F.scaled_dot_product_attention(*x, is_causal=True, scale=scale,
-                                                          enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
+        out[rows, :, :t] = _causal(*(y[rows, :, :t] for y in (q, k, v)), scale, work)
     if all(t == T for t in sizes):
         attend(slice(0, B), T)
     else:
@@ -87,6 +85,27 @@ def _fresh_causal(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float
             if t:
                 attend(slice(b, b + 1), t)
     return out
+
+
+def prefill_fresh_packed(q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], *,
+                         scale: float | None = None) -> Tensor:
+    """``_fresh_causal`` on a packed step's tokens where they lie (``q [N, H, D]``, ``k, v [N, Hkv, D]``, row i's at
+    ``[starts[i], starts[i] + lens[i])``; every row holds nothing yet and brings at most S + W tokens): no padding,
+    no gather -> ``[sum(lens), H, D]`` in q's dtype, the rows' tokens in order."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_empty((sum(lens), *q.shape[1:]))
+    at = 0
+    for s, t in zip(starts, lens):
+        rows = [y[s:s + t].transpose(0, 1).unsqueeze(0) for y in (q, k, v)]  # [1, heads, t, D] views
+        out[at:at + t] = _causal(*rows, scale, work)[0].transpose(0, 1)
+        at += t
+    return out
+
+
+def _causal(q: Tensor, k: Tensor, v: Tensor, scale: float | None, work: torch.dtype) -> Tensor:
+    """Causal SDPA in ``work`` precision: ``[b, H, t, D]`` (k, v ``[b, Hkv, t, D]``) -> ``[b, H, t, D]``, q's dtype."""
+    return F.scaled_dot_product_attention(q.to(work), k.to(work), v.to(work), is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 
 
 def _in_tiles(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, attend) -> Tensor:

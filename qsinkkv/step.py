@@ -19,7 +19,9 @@ class Split:
 
     lens: [B] new tokens per row. one: the rows of one token; q_one [len(one), H, D], k_one, v_one
     [len(one), Hkv, D]. multi: the rows of more; q_multi [len(multi), H, T_multi, D], k_multi, v_multi
-    [len(multi), Hkv, T_multi, D], row i holding ``lens[multi[i]]`` real tokens (T_multi: the longest)."""
+    [len(multi), Hkv, T_multi, D], row i holding ``lens[multi[i]]`` real tokens (T_multi: the longest).
+    A packed step also keeps its tokens where they lie: ``packed`` (q, k, v ``[N, heads, D]``), row b's at
+    ``[qsl[b], qsl[b+1])``; its padded multi chunk is made only if a prefill asks for it (``multi_chunk``)."""
     lens: list[int]
     one: list[int]
     q_one: Tensor | None
@@ -29,6 +31,8 @@ class Split:
     q_multi: Tensor | None
     k_multi: Tensor | None
     v_multi: Tensor | None
+    qsl: Tensor | None = None                         # [B + 1] host int64 (a packed step)
+    packed: tuple[Tensor, Tensor, Tensor] | None = None  # (q, k, v) [N, heads, D] (a packed step)
 
     @property
     def multi_lens(self) -> list[int]:
@@ -37,7 +41,28 @@ class Split:
 
     def multi_real(self) -> Tensor:
         """bool ``[len(multi), T_multi]`` (host): which columns of the ``*_multi`` tensors hold real tokens."""
-        return torch.arange(self.k_multi.shape[2]) < torch.tensor(self.multi_lens).unsqueeze(1)
+        return torch.arange(max(self.multi_lens)) < torch.tensor(self.multi_lens).unsqueeze(1)
+
+    def multi_chunk(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(q_multi, k_multi, v_multi)``: a padded step's own, or gathered from a packed step's tokens once (one
+        longer row: a view; padding repeats a token)."""
+        if self.k_multi is None and self.packed is not None:
+            q, k, v = self.packed
+            if len(self.multi) == 1:
+                start, t = int(self.qsl[self.multi[0]]), self.lens[self.multi[0]]
+                chunk = [x[start:start + t].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, heads, t, D]
+            else:
+                n, T = len(self.multi), max(self.multi_lens)
+                tokens = (self.qsl[self.multi].unsqueeze(1) + torch.arange(T)).clamp(max=k.shape[0] - 1).flatten()
+                chunk = [x.index_select(0, tokens.to(x.device)).view(n, T, *x.shape[1:]).transpose(1, 2)
+                         for x in (q, k, v)]
+            self.q_multi, self.k_multi, self.v_multi = chunk
+        return self.q_multi, self.k_multi, self.v_multi
+
+    def multi_tokens(self) -> Tensor:
+        """``[sum(multi_lens)]`` host int64: a packed step's tokens of the longer rows, row by row."""
+        starts, lens = self.qsl[self.multi], torch.tensor(self.multi_lens)
+        return torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens) + torch.arange(int(lens.sum()))
 
 
 def split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> Split:
@@ -51,21 +76,13 @@ def split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> Spl
 
 def split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) -> Split:
     """Group the rows of a packed step (``[N, heads, D]``, row b at ``[qsl[b], qsl[b+1])``): the one-token rows
-    are gathered, the longer ones padded to their longest only (one longer row: a view)."""
+    are gathered (a decode step's are the tokens themselves); the longer ones stay where they lie."""
     one, multi = _one_and_multi(lens)
     if one and len(one) == q.shape[0]:  # every token is a one-token row's, in row order (a decode step): no gather
-        return Split(lens, one, q, k, v, multi, None, None, None)
-    firsts = [x[qsl[one].to(x.device)] if one else None for x in (q, k, v)]
-    if not multi:
-        return Split(lens, one, *firsts, multi, None, None, None)
-    if len(multi) == 1:
-        start, t = int(qsl[multi[0]]), lens[multi[0]]
-        chunk = [x[start:start + t].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]   # [1, heads, t, D] views
+        firsts = [q, k, v]
     else:
-        T_multi = max(lens[b] for b in multi)
-        tokens = (qsl[multi].unsqueeze(1) + torch.arange(T_multi)).clamp(max=q.shape[0] - 1)  # pads repeat a token
-        chunk = [x[tokens.to(x.device)].transpose(1, 2) for x in (q, k, v)]
-    return Split(lens, one, *firsts, multi, *chunk)
+        firsts = [x.index_select(0, qsl[one].to(x.device)) if one else None for x in (q, k, v)]
+    return Split(lens, one, *firsts, multi, None, None, None, qsl=qsl, packed=(q, k, v))
 
 
 def token_positions(held: Tensor, lens: Tensor) -> Tensor:
@@ -99,12 +116,22 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
     block completes this step (its new page, while the prefill still reads the old one). A step's cost follows
     the tokens it carries, not B x T_max.
 
-    Returns ``([len(one), H, D], [len(multi), H, T_multi, D], the write's undo record)`` (None for an empty
-    group; no undo record with keep_undo=False)."""
+    Returns ``([len(one), H, D], the longer rows' output, the write's undo record)`` (None for an empty group; no
+    undo record with keep_undo=False); the longer rows' output is ``[len(multi), H, T_multi, D]`` for a padded
+    step, their tokens ``[sum(multi_lens), H, D]`` row by row for a packed one. A packed step whose longer rows
+    all start fresh, each within S + W, takes ``ops.prefill_fresh`` on the tokens where they lie."""
     multi_out = one_out = None
     if split.multi:
-        multi_out = ops.prefill(split.q_multi, split.k_multi, split.v_multi, read.select_rows(split.multi),
-                                torch.tensor(split.multi_lens), scale=scale, sink_logits=sink_logits)
+        if split.packed is not None and ops.prefill_fresh is not None and sink_logits is None and _fresh(split, read):
+            q, k, v = split.packed
+            multi_out = ops.prefill_fresh(q, k, v, split.qsl[split.multi].tolist(), split.multi_lens, scale=scale)
+        else:
+            multi_out = ops.prefill(*split.multi_chunk(), read.select_rows(split.multi),
+                                    torch.tensor(split.multi_lens), scale=scale, sink_logits=sink_logits)
+            if split.packed is not None:  # [n, H, T, D] -> the real tokens, row by row
+                n, H, T, D = multi_out.shape
+                real = (torch.arange(n).unsqueeze(1) * T + torch.arange(T))[split.multi_real()]
+                multi_out = multi_out.transpose(1, 2).reshape(n * T, H, D).index_select(0, real.to(multi_out.device))
     if split.one or split.multi:
         undo = write.append_tokens(store, *_tokens(split), ops.quantizer, keep_undo, ops.writer)
     else:  # no new token in any row
@@ -116,10 +143,23 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
     return one_out, multi_out, undo
 
 
+def _fresh(split: Split, read: LayerStorage) -> bool:
+    """Every longer row holds nothing yet and brings at most S + W tokens (its visible set is the causal mask)."""
+    cfg = read.layout.config
+    return max(split.multi_lens) <= cfg.sink_tokens + cfg.recent_tokens and \
+        int(read.seq_lens[split.multi].max()) == 0
+
+
 def _tokens(split: Split) -> tuple:
-    """The step's new K/V as ``write.append_tokens`` takes them: ``k, v [N, Hkv, D]`` (the one-token rows', then
-    the longer rows' padded to their longest: no copy for a decode step) and the rows, starts and lengths."""
-    one, multi, T = split.one, split.multi, 0 if split.k_multi is None else split.k_multi.shape[2]
+    """The step's new K/V as ``write.append_tokens`` takes them: ``k, v [N, Hkv, D]`` and the rows, starts and
+    lengths: a packed step's tokens where they lie, a padded step's one-token rows then the longer rows (padded
+    to their longest)."""
+    one, multi = split.one, split.multi
+    if split.packed is not None:  # rows in token order (write.store_rows reads a run of every token in place)
+        starts = split.qsl.tolist()
+        rows = sorted(one + multi, key=starts.__getitem__)
+        return *split.packed[1:], rows, [starts[b] for b in rows], [split.lens[b] for b in rows]
+    T = 0 if split.k_multi is None else split.k_multi.shape[2]
     parts = [[x] if one else [] for x in (split.k_one, split.v_one)]
     if multi:
         for part, x in zip(parts, (split.k_multi, split.v_multi)):
@@ -130,14 +170,12 @@ def _tokens(split: Split) -> tuple:
 
 
 def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
-    """Put the row groups' outputs back at their packed tokens: ``out [N, H, D]``, row b's tokens at
-    ``[qsl[b], qsl[b+1])`` (``qsl`` host). Returns ``out``."""
+    """Put a packed step's row groups' outputs (``attend_split``'s) back at their tokens: ``out [N, H, D]``, row b's
+    tokens at ``[qsl[b], qsl[b+1])`` (``qsl`` host). Returns ``out``."""
     if split.one and len(split.one) == out.shape[0]:  # a decode step: row order is token order
         return out.copy_(one_out)
     if split.one:
-        out[qsl[split.one].to(out.device)] = one_out
+        out.index_copy_(0, qsl[split.one].to(out.device), one_out)
     if split.multi:
-        real = split.multi_real()                                                     # [n, T_multi]
-        tokens = (qsl[split.multi].unsqueeze(1) + torch.arange(real.shape[1]))[real]
-        out[tokens.to(out.device)] = multi_out.transpose(1, 2)[real.to(out.device)]
+        out.index_copy_(0, split.multi_tokens().to(out.device), multi_out)
     return out

@@ -315,3 +315,38 @@ def test_auto_warns_when_it_falls_back_for_a_reason_but_no_compiler(monkeypatch,
         assert any("C decode is unavailable" in str(w.message) for w in seen) == warns, (cc, why)
         if not warns:
             assert why.startswith("NoCompiler: no C compiler: '/no/such/compiler' not found")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(2, 3), (1, 5)])
+def test_decode_blocks_over_engine_pages_matches_float64(dtype, heads):
+    """``decode_blocks_c`` (bits=16 over vLLM's own pages): each row reads the blocks its table names, in an
+    engine's block-major layout (a block's keys then its values per head), and sees the slots its bias leaves
+    at 0; against the float64 softmax over exactly those slots, and a row alone gives the same bits."""
+    Hkv, G = heads
+    bs, nblocks, B, nb, Dh = 4, 20, 5, 4, 24
+    g = torch.Generator().manual_seed(Hkv * 10 + G)
+    pages = torch.randn(nblocks, Hkv, 2 * bs, Dh, generator=g).to(dtype)           # vLLM: [blocks, Hkv, 2 bs, D]
+    k_pool, v_pool = (x.transpose(0, 1) for x in pages.chunk(2, dim=2))            # [Hkv, blocks, bs, D] views
+    table = torch.stack([torch.randperm(nblocks, generator=g)[:nb] for _ in range(B)])
+    table[1, 2] = -1                                                                # a slot with no block
+    seen = torch.rand(B, nb * bs, generator=g) < 0.6
+    seen[:, 0] = True
+    seen[1, 2 * bs:3 * bs] = False
+    bias = torch.zeros(B, nb * bs).masked_fill_(~seen, float("-inf"))
+    q = torch.randn(B, Hkv * G, Dh, generator=g).to(dtype)
+    out = decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias, scale=0.3)
+    assert out.dtype == dtype and out.shape == q.shape
+    for b in range(B):
+        blocks = table[b].clamp(min=0)
+        k = k_pool[:, blocks].reshape(Hkv, nb * bs, Dh).double()
+        v = v_pool[:, blocks].reshape(Hkv, nb * bs, Dh).double()
+        qb = q[b].double().view(Hkv, G, Dh)
+        p = torch.softmax((qb @ k.mT * 0.3).masked_fill(~seen[b], float("-inf")), dim=-1)
+        expect = (p @ v).reshape(Hkv * G, Dh)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[b].double(), expect, rtol=tol, atol=tol)
+        alone = decode_c.decode_blocks_c(q[b:b + 1], k_pool, v_pool, table[b:b + 1], bias[b:b + 1], scale=0.3)
+        assert torch.equal(alone[0], out[b])
+    with pytest.raises(ValueError, match="bias must be float32"):
+        decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias[:, 1:], scale=0.3)

@@ -69,3 +69,29 @@ def test_nonfinite_value_in_padding_does_not_poison_the_rows_prefill(value):
     own = alone.attend(0, q[1:, :, :2], k[1:, :, :2], v[1:, :, :2])
     assert torch.isfinite(out).all()
     assert rel(out[1:, :, :2], own) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prefill_on_packed_tokens(dtype):
+    """``prefill_fresh_packed`` (a packed step's rows that start fresh within S + W, read where they lie): row by
+    row the bits of the padded prefill's own fresh path, and equal to the float64 oracle of the sink + window
+    mask (S + W reaches past every chunk: the causal mask)."""
+    from qsinkkv.layout import WindowLayout
+    from qsinkkv.prefill import prefill_attention_torch, prefill_fresh_packed
+    from qsinkkv.storage import LayerStorage
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=14, bits=16)
+    g = torch.Generator().manual_seed(3)
+    lens, starts = [5, 16, 1, 9], [3, 8, 24, 25]                      # in a packed step of 34 tokens, any order
+    q, k, v = (torch.randn(34, h, D, generator=g).to(dtype) for h in (HKV * G, HKV, HKV))
+    out = prefill_fresh_packed(q, k, v, starts, lens, scale=0.4)
+    assert out.shape == (sum(lens), HKV * G, D) and out.dtype == dtype
+    layer = LayerStorage.allocate(WindowLayout(cfg), 1, HKV, D, torch.device("cpu"))
+    at = 0
+    for s, t in zip(starts, lens):
+        row = [x[s:s + t].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]         # [1, heads, t, D]
+        padded = prefill_attention_torch(*row, layer, torch.tensor([t]), scale=0.4)[0].transpose(0, 1)
+        assert torch.equal(out[at:at + t], padded)
+        ref = attention_oracle(row[0], lambda i, row=row: (row[1].double(), row[2].double()), 2, 14, range(t), None,
+                               scale=0.4)
+        assert rel(out[at:at + t].transpose(0, 1).unsqueeze(0), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+        at += t

@@ -20,7 +20,10 @@ def test_split_packed_groups_one_token_rows_and_pads_the_longer_ones():
     split = split_packed(q, k, v, qsl, lens)
     assert split.one == [0, 3] and split.multi == [1, 4]
     assert torch.equal(split.k_one, k[[int(qsl[0]), int(qsl[3])]])
+    assert split.k_multi is None  # the longer rows stay where they lie until a prefill asks for them padded
+    _, k_multi, _ = split.multi_chunk()
     for i, b in enumerate(split.multi):
         t = lens[b]
-        assert torch.equal(split.k_multi[i, :, :t], k[int(qsl[b]):int(qsl[b]) + t].transpose(0, 1))
+        assert torch.equal(k_multi[i, :, :t], k[int(qsl[b]):int(qsl[b]) + t].transpose(0, 1))
     assert split.multi_real().tolist() == [[True, True, True], [True, True, False]]
+    assert split.multi_tokens().tolist() == [1, 2, 3, 5, 6]  # rows 1 and 4, token by token

@@ -36,6 +36,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
+from ... import decode_c
 from ...engine_pages import PageLayout
 from ...layout import visible_mask
 from ...step import token_positions
@@ -170,6 +171,10 @@ class QSinkKVImpl(AttentionImpl):
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
         self.group = num_heads // num_kv_heads
         self.sink_dtype, self.window_dtype = cfg.sink_dtype, cfg.window_dtype
+        # the decode: qsinkkv's C decode over the pages on the CPU (where it compiles), else torch (chosen once)
+        device = state.current_vllm_config().device_config.device
+        self.c_decode = (torch.device(device).type == "cpu" and head_size <= decode_c.MAX_HEAD_DIM
+                         and decode_c.available()[0])
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                 attn_metadata: QSinkKVMetadata | None, output: Tensor, output_scale: Tensor | None = None,
@@ -211,6 +216,9 @@ class QSinkKVImpl(AttentionImpl):
 
     def _decode(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata) -> Tensor:
         Bd, nb = md.dec_blocks.shape
+        if self.c_decode and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return decode_c.decode_blocks_c(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), md.dec_blocks,
+                                            md.dec_bias.view(Bd, -1), scale=self.scale)
         Hkv, G, D = self.num_kv_heads, self.group, self.head_size
         read = lambda cache: cache[md.dec_blocks].transpose(1, 2).reshape(Bd, Hkv, -1, D).float()  # noqa: E731
         qh = q.float().view(Bd, Hkv, G, D) * self.scale

@@ -8,9 +8,11 @@ computes (once, for all layers, on the host) the blocks each request's queries c
 sink blocks and its window's blocks -- and the visible-set mask of ``qsinkkv.layout.visible_mask``.
 Per layer, the forward writes the new K/V at vLLM's slot mapping and attends:
 
-* every request with one new token (the decodes) in one batched gather + three large ops
+* every request with one new token (the decodes) in one call: on the CPU qsinkkv's C decode reads
+  the pages in place (``decode_c.decode_blocks_c``: each row's sink and window blocks from
+  ``dec_blocks``, the visible set as ``dec_bias``); elsewhere one batched gather + three large ops
   (scores, softmax, values), the G query heads of a KV head as G rows (as
-  ``qsinkkv.decode.decode_attention_torch``): no loop over requests;
+  ``qsinkkv.decode.decode_attention_torch``): no loop over requests either way;
 * each request with a longer chunk (a prefill, chunked or not) with SDPA under the sink + window
   mask over its sink blocks and the blocks its chunk's windows span (a loop over the prefill rows
   of the step only).

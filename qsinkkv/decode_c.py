@@ -228,34 +228,67 @@ def decode_blocks_c(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     order (-1: none); ``bias [B, nb * bs]`` float32, 0 where the query sees the slot, -inf where not ->
     ``[B, H, D]`` in q's dtype (or into ``out``, contiguous, float32/bf16/fp16), computed in float32. The C decode
     with no sink segment and no quantized ring: the same loops, the same bits for a row alone or in a batch."""
-    if _lib is None:
-        ok, why = available()
-        if not ok:
-            raise RuntimeError(f"the C decode is not available: {why}")
-    B, H, D = q.shape
-    Hkv, _, bs, _ = k_pool.shape
-    nb = block_table.shape[1]
-    expect = (B, nb * bs)
-    if bias.shape != expect or bias.dtype != torch.float32 or block_table.shape[0] != B:
-        raise ValueError(f"bias must be float32 {list(expect)} and block_table [B={B}, nb], got bias {bias.dtype} "
-                         f"{list(bias.shape)}, block_table {list(block_table.shape)}")
-    if D > MAX_HEAD_DIM or k_pool.shape != v_pool.shape or k_pool.shape[3] != D or H % Hkv:
-        raise ValueError(f"k_pool, v_pool must be [Hkv, blocks, bs, D={D}] (D <= {MAX_HEAD_DIM}, H={H} a multiple "
-                         f"of Hkv), got {list(k_pool.shape)} and {list(v_pool.shape)}")
-    keep = []
-    k, v = (_blocks_contiguous(t, keep) for t in (k_pool, v_pool))
-    table, bias = _contiguous(block_table.long(), keep), _contiguous(bias, keep)
-    qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
-    out = torch.empty(B, H, D, dtype=qr.dtype) if out is None else out
-    pointers, strides = _pointers([k, v, k, v, k, k, k, k, k, k])  # _POOLS order; no sink or quantized pool is read
-    dt = _DTYPES[k.dtype]
-    a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
-              **pointers, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt, sink_table=table.data_ptr(),
-              float_table=table.data_ptr(), quant_table=table.data_ptr(), q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype],
-              q_stride=q_stride, bias=bias.data_ptr(), sink_logits=None, scale=scale, out=out.data_ptr(),
-              out_dtype=_DTYPES[out.dtype])
-    _decode_units(a, Hkv * B, nb * bs * D)
-    return out
+    return BlocksDecode(block_table, bias).run(q, k_pool, v_pool, scale=scale, out=out)
+
+
+class BlocksDecode:
+    """``decode_blocks_c`` for one engine step: the table and bias are the step's, checked once; ``run`` per layer
+    (that layer's pools, q and out). The first layer's C struct serves the later ones (their pools, q and out lie
+    the same way: only the pointers change), as ``EngineDecode`` does for the quantized pages."""
+
+    def __init__(self, block_table: Tensor, bias: Tensor):
+        self.keep = []  # what the struct points into, alive as long as this step
+        self.table = _contiguous(block_table.long(), self.keep)
+        self.bias = _contiguous(bias, self.keep)
+        self.B, nb = self.table.shape
+        if bias.dtype != torch.float32 or bias.dim() != 2 or bias.shape[0] != self.B or bias.shape[1] % max(nb, 1):
+            raise ValueError(f"bias must be float32 [B={self.B}, nb * bs] (nb={nb}), got bias {bias.dtype} "
+                             f"{list(bias.shape)}, block_table {list(block_table.shape)}")
+        self._struct = None  # (how the first layer's tensors lay, its _Args)
+
+    def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, *, scale: float, out: Tensor | None = None) -> Tensor:
+        if _lib is None:
+            ok, why = available()
+            if not ok:
+                raise RuntimeError(f"the C decode is not available: {why}")
+        B, H, D = q.shape
+        Hkv, _, bs, _ = k_pool.shape
+        nb = self.table.shape[1]
+        if B != self.B or self.bias.shape[1] != nb * bs:
+            raise ValueError(f"q must be [B={self.B}, H, D] over blocks of bs={self.bias.shape[1] // max(nb, 1)} "
+                             f"rows (the bias's), got q {list(q.shape)} and pools of blocks of {bs} rows")
+        if D > MAX_HEAD_DIM or k_pool.shape != v_pool.shape or k_pool.shape[3] != D or H % Hkv:
+            raise ValueError(f"k_pool, v_pool must be [Hkv, blocks, bs, D={D}] (D <= {MAX_HEAD_DIM}, H={H} a multiple "
+                             f"of Hkv), got {list(k_pool.shape)} and {list(v_pool.shape)}")
+        if out is not None and (out.shape != q.shape or out.dtype not in _DTYPES or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous {list(q.shape)} tensor of float32, bfloat16 or float16, "
+                             f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
+        lies = (k_pool.shape, k_pool.stride(), v_pool.stride(), k_pool.dtype, v_pool.dtype, q.shape, q.stride(),
+                q.dtype, None if out is None else out.dtype, scale)
+        if self._struct is not None and self._struct[0] == lies:
+            a = self._struct[1]
+            out = torch.empty(B, H, D, dtype=q.dtype) if out is None else out
+            k, v = k_pool.data_ptr(), v_pool.data_ptr()
+            a.sink_k, a.sink_v, a.float_k, a.float_v = k, v, k, v
+            a.key_scale = a.key_zero = a.value_scale = a.value_zero = a.key_codes = a.value_codes = k
+            a.q, a.out = q.data_ptr(), out.data_ptr()
+        else:
+            keep = []
+            k, v = (_blocks_contiguous(t, keep) for t in (k_pool, v_pool))
+            qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
+            out = torch.empty(B, H, D, dtype=qr.dtype) if out is None else out
+            pointers, strides = _pointers([k, v, k, v, k, k, k, k, k, k])  # _POOLS order; no sink or quantized pool
+            dt = _DTYPES[k.dtype]
+            table = self.table.data_ptr()
+            a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
+                      **pointers, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt, sink_table=table,
+                      float_table=table, quant_table=table, q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype],
+                      q_stride=q_stride, bias=self.bias.data_ptr(), sink_logits=None, scale=scale,
+                      out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
+            # kept for the later layers only if the pools and q are read as they lie (no copy of this layer's)
+            self._struct = (lies, a) if not keep else None
+        _decode_units(a, Hkv * B, nb * bs * D)
+        return out
 
 
 def _decode_units(a: _Args, units: int, per_unit: int) -> None:

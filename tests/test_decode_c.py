@@ -350,3 +350,29 @@ def test_decode_blocks_over_engine_pages_matches_float64(dtype, heads):
         assert torch.equal(alone[0], out[b])
     with pytest.raises(ValueError, match="bias must be float32"):
         decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias[:, 1:], scale=0.3)
+
+
+def test_blocks_decode_prepared_once_serves_every_layer():
+    """``BlocksDecode`` keeps the first layer's C struct for the later layers of a step (only the pointers change):
+    each layer's output equals a fresh ``decode_blocks_c`` over that layer's pages, also after a layer whose
+    pages lie otherwise (a copy, not kept) and with ``out`` given; a q of another batch is refused by name."""
+    Hkv, G, bs, nblocks, B, nb, Dh = 3, 3, 8, 12, 4, 3, 32
+    g = torch.Generator().manual_seed(7)
+    table = torch.stack([torch.randperm(nblocks, generator=g)[:nb] for _ in range(B)])
+    seen = torch.rand(B, nb * bs, generator=g) < 0.7
+    seen[:, 0] = True
+    bias = torch.zeros(B, nb * bs).masked_fill_(~seen, float("-inf"))
+    step = decode_c.BlocksDecode(table, bias)
+    for layer in range(4):
+        pages = torch.randn(nblocks, Hkv, 2 * bs, Dh, generator=g).to(torch.bfloat16)
+        k_pool, v_pool = (x.transpose(0, 1) for x in pages.chunk(2, dim=2))
+        if layer == 2:  # pools whose blocks are not contiguous: read through a copy
+            k_pool, v_pool = (x.transpose(2, 3).contiguous().transpose(2, 3) for x in (k_pool, v_pool))
+        q = torch.randn(B, Hkv * G, Dh, generator=g).to(torch.bfloat16)
+        expect = decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias, scale=0.2)
+        out = torch.empty_like(q) if layer == 3 else None
+        got = step.run(q, k_pool, v_pool, scale=0.2, out=out)
+        assert torch.equal(got, expect)
+        assert out is None or got is out
+    with pytest.raises(ValueError, match=r"q must be \[B=4"):
+        step.run(q[:2], k_pool, v_pool, scale=0.2)

@@ -9,8 +9,8 @@ sink blocks and its window's blocks -- and the visible-set mask of ``qsinkkv.lay
 Per layer, the forward writes the new K/V at vLLM's slot mapping and attends:
 
 * every request with one new token (the decodes) in one call: on the CPU qsinkkv's C decode reads
-  the pages in place (``decode_c.decode_blocks_c``: each row's sink and window blocks from
-  ``dec_blocks``, the visible set as ``dec_bias``); elsewhere one batched gather + three large ops
+  the pages in place (``decode_c.BlocksDecode``, prepared once per step for every layer: each row's sink and
+  window blocks from ``dec_blocks``, the visible set as ``dec_bias``); elsewhere one batched gather + three large ops
   (scores, softmax, values), the G query heads of a KV head as G rows (as
   ``qsinkkv.decode.decode_attention_torch``): no loop over requests either way;
 * each request with a longer chunk (a prefill, chunked or not) with SDPA under the sink + window
@@ -38,7 +38,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
-from ... import decode_c
+from ... import decode_c, write
 from ...engine_pages import PageLayout
 from ...layout import visible_mask
 from ...step import token_positions
@@ -100,12 +100,17 @@ class QSinkKVBackend(AttentionBackend):
 @dataclass
 class QSinkKVMetadata:
     num_actual_tokens: int
-    slot_mapping: Tensor         # [N] where each new token's K/V goes (block * bs + row; -1: padding)
+    # where the new K/V go (vLLM's slot mapping without its padding)
+    write_at: Tensor             # [n] int64 the tokens written (those with a slot), increasing
+    write_slots: Tensor          # [n] int64 their slots (block * bs + row)
+    write_seqs: Tensor           # [n] int64 zeros: a slot is read as a row of one table of every block
     is_sink: Tensor | None       # [N] bool: the token is one of its sequence's first S (None: none is)
     # the rows with one new token, batched
     dec_tokens: Tensor           # [Bd] their packed token index
     dec_blocks: Tensor           # [Bd, nb] the physical blocks their query reads (sinks, then window)
     dec_bias: Tensor             # [Bd, 1, 1, nb * bs] float32: 0 visible, -inf not
+    dec_c: decode_c.BlocksDecode | None  # the C decode of these rows, prepared once for every layer (None: no rows)
+    all_decode: bool             # every token is a decode row's, in row order (the step's q and output as they lie)
     # the rows with longer chunks: (first token, end token, blocks [nb], mask [T, nb * bs])
     prefills: list[tuple[int, int, Tensor, Tensor]]
 
@@ -158,8 +163,11 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
             kpos = torch.where(kpos < p1, kpos, -1)
             mask = visible_mask(torch.arange(p0, p1), kpos, S, W)                  # [T, nb * bs]
             prefills.append((int(qsl[b]), int(qsl[b + 1]), table[b, logical], mask))
-        return QSinkKVMetadata(N, m.slot_mapping[:N], is_sink, qsl[:-1][dec],
-                               dec_blocks, dec_bias, prefills)
+        dec_c = decode_c.BlocksDecode(dec_blocks, dec_bias.view(dec.shape[0], -1)) if dec.shape[0] else None
+        slots = m.slot_mapping[:N].cpu().long()
+        write_at = (slots >= 0).nonzero().squeeze(1)
+        return QSinkKVMetadata(N, write_at, slots[write_at], torch.zeros_like(write_at), is_sink, qsl[:-1][dec],
+                               dec_blocks, dec_bias, dec_c, 0 < dec.shape[0] == N, prefills)
 
 
 class QSinkKVImpl(AttentionImpl):
@@ -177,6 +185,8 @@ class QSinkKVImpl(AttentionImpl):
         device = state.current_vllm_config().device_config.device
         self.c_decode = (torch.device(device).type == "cpu" and head_size <= decode_c.MAX_HEAD_DIM
                          and decode_c.available()[0])
+        self.store_rows = decode_c.store_rows_c if self.c_decode else write.store_rows  # the same bits
+        self.every_block = None
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                 attn_metadata: QSinkKVMetadata | None, output: Tensor, output_scale: Tensor | None = None,
@@ -191,7 +201,10 @@ class QSinkKVImpl(AttentionImpl):
         key_cache, value_cache = kv_cache.view(nblocks, Hkv, 2 * bs, -1).chunk(2, dim=2)   # [nb, Hkv, bs, D] each
         self._write(key[:n], value[:n], key_cache, value_cache, md, bs)
         out = output.view(-1, self.num_heads, self.head_size)
-        if md.dec_tokens.numel():
+        if md.all_decode and self.c_decode and query.dtype == out.dtype:  # vLLM's common step: no gather, no scatter
+            md.dec_c.run(query[:n], key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale,
+                         out=out[:n])
+        elif md.dec_tokens.numel():
             out[md.dec_tokens] = self._decode(query[md.dec_tokens], key_cache, value_cache, md).to(out.dtype)
         for t0, t1, blocks, mask in md.prefills:
             out[t0:t1] = self._prefill(query[t0:t1], key_cache, value_cache, blocks, mask).to(out.dtype)
@@ -199,7 +212,6 @@ class QSinkKVImpl(AttentionImpl):
 
     def _write(self, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata,
                bs: int) -> None:
-        slots = md.slot_mapping.long()
         dtype = key_cache.dtype
         if self.window_dtype != dtype or (md.is_sink is not None and self.sink_dtype != dtype):
             # the storage's precision: sinks in sink_dtype, the window in window_dtype (qsinkkv's rounding)
@@ -209,18 +221,16 @@ class QSinkKVImpl(AttentionImpl):
                     r = torch.where(md.is_sink[:x.shape[0]].view(-1, 1, 1), x.to(self.sink_dtype).to(dtype), r)
                 return r
             k, v = rounded(k), rounded(v)
-        if bool((slots < 0).any()):
-            keep = slots >= 0
-            slots, k, v = slots[keep], k[keep], v[keep]
-        blk, row = slots // bs, slots % bs
-        key_cache[blk, :, row] = k.to(dtype)
-        value_cache[blk, :, row] = v.to(dtype)
+        nblocks = key_cache.shape[0]
+        if self.every_block is None or self.every_block.shape[1] != nblocks:
+            self.every_block = torch.arange(nblocks).unsqueeze(0)      # [1, blocks]: slot // bs is its block
+        self.store_rows(key_cache.transpose(0, 1), value_cache.transpose(0, 1), self.every_block, k, v, md.write_at,
+                        md.write_seqs, md.write_slots, bs)
 
     def _decode(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata) -> Tensor:
         Bd, nb = md.dec_blocks.shape
         if self.c_decode and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return decode_c.decode_blocks_c(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), md.dec_blocks,
-                                            md.dec_bias.view(Bd, -1), scale=self.scale)
+            return md.dec_c.run(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale)
         Hkv, G, D = self.num_kv_heads, self.group, self.head_size
         read = lambda cache: cache[md.dec_blocks].transpose(1, 2).reshape(Bd, Hkv, -1, D).float()  # noqa: E731
         qh = q.float().view(Bd, Hkv, G, D) * self.scale

@@ -1,5 +1,6 @@
-"""qsinkkv inside vLLM: stock parity within the capacity, qsinkkv's own reference past it (bits 16 and int4),
-one layer's int4/int8 forward bit for bit against PagedCache, page bytes, refusals."""
+"""qsinkkv inside vLLM: stock parity within the capacity, qsinkkv's own reference past it (bits 16 and int4, whole
+prompts and chunked prefill), one layer's int4/int8 forward bit for bit against PagedCache (also over chunked
+prefill past the window), page bytes, refusals."""
 import pytest
 import torch
 from conftest import run_engine
@@ -23,13 +24,19 @@ def test_within_capacity_equals_stock_vllm(reference):
     assert ours["tokens"] == stock["tokens"]
 
 
-def test_past_capacity_follows_qsinkkv_reference(reference):
+# vLLM's chunked prefill: a prompt of more than 16 tokens is split over steps, beside the rows that decode
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_num_seqs": 16}
+
+
+@pytest.mark.parametrize("llm", [{}, CHUNKED], ids=["whole-prompts", "chunked-prefill"])
+def test_past_capacity_follows_qsinkkv_reference(reference, llm):
     """bits=16 float32, S=4 W=60: every row streams past the capacity (64) and keeps qsinkkv's tokens
-    (HF generate with QSinkKVCache, made in the main venv); the pool holds a constant block count."""
+    (HF generate with QSinkKVCache, made in the main venv); the pool holds a constant block count. With
+    chunked prefill too (the reference prefills each prompt whole)."""
     run = reference["bits16"]
     cfg, prompts, ref = run["config"], run["prompts"], run["tokens"]
     C = cfg["sink_tokens"] + cfg["recent_tokens"]
-    out = run_engine({"prompts": prompts, "max_tokens": len(ref[0]), "qsinkkv": cfg, "step": True})
+    out = run_engine({"prompts": prompts, "max_tokens": len(ref[0]), "qsinkkv": cfg, "step": True, "llm": llm})
     assert "error" not in out, out.get("error")
     firsts = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), None) for r, o in zip(ref, out["tokens"])]
     for p, r, first in zip(prompts, ref, firsts):
@@ -99,6 +106,27 @@ def test_quantized_layer_equals_paged_cache_and_follows_qsinkkv(reference, bits,
             # a wrong window or broken blocks depart at the first quantized block or the capacity
             assert first is None or first >= C - len(p) + 16, f"rows depart from qsinkkv's int4 reference at {firsts}"
         assert sum(f is None for f in firsts) >= 6, f"rows depart from qsinkkv's int4 reference at {firsts}"
+
+
+def test_chunked_prefill_past_the_window_equals_paged_cache(reference, tmp_path):
+    """int4 with vLLM's chunked prefill over prompts longer than S + W (77-100 tokens, capacity 64): chunks of
+    at most 16 tokens that complete blocks and push tokens out of the window, beside decoding rows; the first
+    layer's every forward equals ``PagedCache`` fed the same chunks, bit for bit."""
+    run = reference["int4"]
+    cfg = parse_config(run["config"])
+    prompts = [p + r[:60] for p, r in zip(run["prompts"], run["tokens"])]
+    assert min(map(len, prompts)) > cfg.capacity
+    out = run_engine({"prompts": prompts, "max_tokens": 24, "qsinkkv": run["config"], "step": True,
+                      "capture": str(tmp_path / "layer0.pt"), "llm": CHUNKED})
+    assert "error" not in out, out.get("error")
+    steps = torch.load(tmp_path / "layer0.pt")
+    lens = [s["qsl"][1:] - s["qsl"][:-1] for s in steps]
+    # chunks that continue a prompt (held > 0, more than one token), some past the capacity
+    assert any(bool(((n > 1) & (s["held"] > 0)).any()) for n, s in zip(lens, steps))
+    assert any(bool(((n > 1) & (s["held"] >= cfg.capacity)).any()) for n, s in zip(lens, steps))
+    assert max(int(n.sum()) for n in lens) <= 16
+    assert _replay_into_paged_cache(steps, cfg) == out["captured_steps"]
+    assert all(len(t) == 24 for t in out["tokens"])
 
 
 @pytest.mark.parametrize("bad, field", [({"bits": 3}, "bits"), ({"sink_tokens": 4, "windw": 8}, "windw"),

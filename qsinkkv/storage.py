@@ -177,7 +177,7 @@ class LayerStorage:
         rows = rows.to(self.device)
         for names, table in ((SINK_TENSORS, self.sink_table[rows]), (FLOAT_TENSORS, self.float_table[rows]),
                              (QUANT_TENSORS, self.quant_table[rows])):
-            blocks = table[table >= 0]
+            blocks = table[table >= 0].unique()  # an engine's new rows name its null block many times
             for name in names:
                 getattr(self, name).index_fill_(1, blocks, 0)
 

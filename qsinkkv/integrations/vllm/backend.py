@@ -223,7 +223,8 @@ class QSinkKVImpl(AttentionImpl):
             k, v = rounded(k), rounded(v)
         nblocks = key_cache.shape[0]
         if self.every_block is None or self.every_block.shape[1] != nblocks:
-            self.every_block = torch.arange(nblocks).unsqueeze(0)      # [1, blocks]: slot // bs is its block
+            # [1, blocks]: slot // bs is its block (on the pages' device, where the torch writer indexes it)
+            self.every_block = torch.arange(nblocks, device=key_cache.device).unsqueeze(0)
         self.store_rows(key_cache.transpose(0, 1), value_cache.transpose(0, 1), self.every_block, k, v, md.write_at,
                         md.write_seqs, md.write_slots, bs)
 

@@ -35,7 +35,7 @@ def profile(engine: str, batch: int, tokens: int) -> tuple[float, dict]:
             out = f(*args, **kwargs)
             k = key
             if split_prefill:  # the first step of the run is its prefill (one call per layer)
-                k = f"{key} (prefill step)" if calls[f"{key} (prefill step)"] < layers[0] else f"{key} (decode steps)"
+                k = f"{key} (prefill step)" if calls[f"{key} (prefill step)"] < layers else f"{key} (decode steps)"
             seconds[k] += time.perf_counter() - t0
             calls[k] += 1
             return out
@@ -71,7 +71,7 @@ def profile(engine: str, batch: int, tokens: int) -> tuple[float, dict]:
                     return call
             decode_c._lib = Timed()
     llm = LLM(**kwargs)
-    layers = [llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers]
+    layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers  # read by the timers
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 13 * j) % 5000 + 100 for j in range(24 + 4 * i)])
                for i in range(batch)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up

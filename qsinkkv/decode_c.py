@@ -237,9 +237,7 @@ class BlocksDecode:
     the same way: only the pointers change), as ``EngineDecode`` does for the quantized pages."""
 
     def __init__(self, block_table: Tensor, bias: Tensor):
-        self.keep = []  # what the struct points into, alive as long as this step
-        self.table = _contiguous(block_table.long(), self.keep)
-        self.bias = _contiguous(bias, self.keep)
+        self.table, self.bias = block_table.long().contiguous(), bias.contiguous()  # the struct points into them
         self.B, nb = self.table.shape
         if bias.dtype != torch.float32 or bias.dim() != 2 or bias.shape[0] != self.B or bias.shape[1] % max(nb, 1):
             raise ValueError(f"bias must be float32 [B={self.B}, nb * bs] (nb={nb}), got bias {bias.dtype} "
@@ -260,24 +258,21 @@ class BlocksDecode:
         if D > MAX_HEAD_DIM or k_pool.shape != v_pool.shape or k_pool.shape[3] != D or H % Hkv:
             raise ValueError(f"k_pool, v_pool must be [Hkv, blocks, bs, D={D}] (D <= {MAX_HEAD_DIM}, H={H} a multiple "
                              f"of Hkv), got {list(k_pool.shape)} and {list(v_pool.shape)}")
-        if out is not None and (out.shape != q.shape or out.dtype not in _DTYPES or not out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous {list(q.shape)} tensor of float32, bfloat16 or float16, "
-                             f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
+        _check_out(out, q)
         lies = (k_pool.shape, k_pool.stride(), v_pool.stride(), k_pool.dtype, v_pool.dtype, q.shape, q.stride(),
                 q.dtype, None if out is None else out.dtype, scale)
         if self._struct is not None and self._struct[0] == lies:
             a = self._struct[1]
             out = torch.empty(B, H, D, dtype=q.dtype) if out is None else out
-            k, v = k_pool.data_ptr(), v_pool.data_ptr()
-            a.sink_k, a.sink_v, a.float_k, a.float_v = k, v, k, v
-            a.key_scale = a.key_zero = a.value_scale = a.value_zero = a.key_codes = a.value_codes = k
+            for name, t in zip(_POOLS, _blocks_pools(k_pool, v_pool)):
+                setattr(a, name, t.data_ptr())
             a.q, a.out = q.data_ptr(), out.data_ptr()
         else:
             keep = []
             k, v = (_blocks_contiguous(t, keep) for t in (k_pool, v_pool))
             qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
             out = torch.empty(B, H, D, dtype=qr.dtype) if out is None else out
-            pointers, strides = _pointers([k, v, k, v, k, k, k, k, k, k])  # _POOLS order; no sink or quantized pool
+            pointers, strides = _pointers(_blocks_pools(k, v))
             dt = _DTYPES[k.dtype]
             table = self.table.data_ptr()
             a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
@@ -289,6 +284,20 @@ class BlocksDecode:
             self._struct = (lies, a) if not keep else None
         _decode_units(a, Hkv * B, nb * bs * D)
         return out
+
+
+def _blocks_pools(k: Tensor, v: Tensor) -> list:
+    """The pools of ``_POOLS`` for a decode over float blocks only: k and v as the sink and float pools (no sink
+    segment is read), k in the quantized pools' places (none is read)."""
+    return [k, v, k, v, k, k, k, k, k, k]
+
+
+def _check_out(out: Tensor | None, q: Tensor) -> None:
+    """``out``, where given, is what the C decode writes: contiguous, on the CPU, q's shape, a float dtype."""
+    if out is not None and (out.shape != q.shape or out.dtype not in _DTYPES or not out.is_contiguous()
+                            or out.device.type != "cpu"):
+        raise ValueError(f"out must be a contiguous CPU {list(q.shape)} tensor of float32, bfloat16 or float16, "
+                         f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
 
 
 def _decode_units(a: _Args, units: int, per_unit: int) -> None:
@@ -510,10 +519,7 @@ class EngineDecode:
         every later step), or None (nothing written)."""
         if _lib is None or q.dtype not in _DTYPES:
             return None
-        if out is not None and (out.shape != q.shape or out.dtype not in _DTYPES or not out.is_contiguous()
-                                or out.device.type != "cpu"):
-            raise ValueError(f"out must be a contiguous CPU {list(q.shape)} tensor of float32, bfloat16 or float16, "
-                             f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
+        _check_out(out, q)
         pools = layer.derived.get("c")
         if pools is None:
             pools = layer.derived["c"] = _in_place(layer.pools)

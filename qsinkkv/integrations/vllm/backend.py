@@ -201,9 +201,8 @@ class QSinkKVImpl(AttentionImpl):
         key_cache, value_cache = kv_cache.view(nblocks, Hkv, 2 * bs, -1).chunk(2, dim=2)   # [nb, Hkv, bs, D] each
         self._write(key[:n], value[:n], key_cache, value_cache, md, bs)
         out = output.view(-1, self.num_heads, self.head_size)
-        if md.all_decode and self.c_decode and query.dtype == out.dtype:  # vLLM's common step: no gather, no scatter
-            md.dec_c.run(query[:n], key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale,
-                         out=out[:n])
+        if md.all_decode:  # vLLM's common step: q and the output as they lie, no gather, no scatter
+            self._decode(query[:n], key_cache, value_cache, md, out=out[:n])
         elif md.dec_tokens.numel():
             out[md.dec_tokens] = self._decode(query[md.dec_tokens], key_cache, value_cache, md).to(out.dtype)
         for t0, t1, blocks, mask in md.prefills:
@@ -228,15 +227,19 @@ class QSinkKVImpl(AttentionImpl):
         self.store_rows(key_cache.transpose(0, 1), value_cache.transpose(0, 1), self.every_block, k, v, md.write_at,
                         md.write_seqs, md.write_slots, bs)
 
-    def _decode(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata) -> Tensor:
+    def _decode(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata,
+                out: Tensor | None = None) -> Tensor:
+        """The decode rows' attention ``[Bd, H, D]`` (C: in q's dtype; torch: float32), or written into ``out`` (the
+        engine's output rows, rounded as ``.to()`` rounds) and returned."""
         Bd, nb = md.dec_blocks.shape
         if self.c_decode and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return md.dec_c.run(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale)
+            return md.dec_c.run(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale, out=out)
         Hkv, G, D = self.num_kv_heads, self.group, self.head_size
         read = lambda cache: cache[md.dec_blocks].transpose(1, 2).reshape(Bd, Hkv, -1, D).float()  # noqa: E731
         qh = q.float().view(Bd, Hkv, G, D) * self.scale
         p = torch.softmax(torch.matmul(qh, read(key_cache).mT).add_(md.dec_bias), dim=-1)   # [Bd, Hkv, G, N]
-        return torch.matmul(p, read(value_cache)).view(Bd, Hkv * G, D)
+        result = torch.matmul(p, read(value_cache)).view(Bd, Hkv * G, D)
+        return result if out is None else out.copy_(result)
 
     def _prefill(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, mask: Tensor) -> Tensor:
         D = self.head_size

@@ -89,6 +89,7 @@ class PagedBlocks:
         self.layout = layout
         self.sizes = {"sink": max_seqs, "float": float_blocks, "quant": quant_blocks}
         self.free = {kind: list(range(n - 1, -1, -1)) for kind, n in self.sizes.items()}
+        self.taken = {kind: [] for kind in KINDS}  # taken since the cache last zeroed them (take_new)
         self.host = {"sink": torch.empty(0, dtype=torch.int64),
                      "float": torch.empty(0, layout.float_slots, dtype=torch.int64),
                      "quant": torch.empty(0, layout.quant_slots, dtype=torch.int64)}
@@ -106,7 +107,7 @@ class PagedBlocks:
         if not self.free["sink"]:
             raise PoolExhausted(f"no free sequence slot: all max_seqs={self.sizes['sink']} are admitted; "
                                 "release one first")
-        self.host["sink"] = torch.cat((self.host["sink"], torch.tensor([self.free["sink"].pop()])))
+        self.host["sink"] = torch.cat((self.host["sink"], torch.tensor([self._take("sink")])))
         for kind in ("float", "quant"):
             empty = torch.full((1, self.host[kind].shape[1]), -1, dtype=torch.int64)
             self.host[kind] = torch.cat((self.host[kind], empty))
@@ -149,7 +150,7 @@ class PagedBlocks:
                 held[kind][b] = n
         for kind, rows in grow.items():
             for b, h, n in rows:
-                self.host[kind][b, h:n] = torch.tensor([self.free[kind].pop() for _ in range(n - h)])
+                self.host[kind][b, h:n] = torch.tensor([self._take(kind) for _ in range(n - h)])
                 held[kind][b] = n
         return True
 
@@ -162,6 +163,17 @@ class PagedBlocks:
 
     def _give(self, kind: str, blocks: list[int]) -> None:
         self.free[kind].extend(reversed(blocks))
+
+    def _take(self, kind: str) -> int:
+        block = self.free[kind].pop()
+        self.taken[kind].append(block)
+        return block
+
+    def take_new(self) -> dict[str, list[int]]:
+        """The blocks taken since the last call, per kind: they hold a former owner's bytes (or anything) until
+        the cache zeroes them, so that a row never reads another's bytes where its own are not written yet."""
+        taken, self.taken = self.taken, {kind: [] for kind in KINDS}
+        return taken
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,22 @@ def _scale_and_sinks(H: int, scale, sink_logits, device: torch.device) -> None:
             raise ValueError(f"sink_logits.device must be the cache device {device}, got {sink_logits.device}")
 
 
+# --- tables: an op reads and writes only inside its pools ------------------------------------------------------------
+
+def table(name: str, table: Tensor, blocks: int, pool: str, none_ok: bool = True) -> None:
+    """Every entry of ``table`` (an int tensor on the host or the CPU: one min/max) names one of the ``blocks``
+    blocks of ``pool``, or is -1 (no block; only where ``none_ok``). A table is input: an entry past the pool would
+    have an op read or write outside it."""
+    if not table.numel():
+        return
+    least = -1 if none_ok else 0
+    lo, hi = (int(x) for x in torch.aminmax(table))
+    if lo < least or hi >= blocks:
+        bad = sorted(set(table[(table < least) | (table >= blocks)].tolist()))[:8]
+        raise ValueError(f"{name} must name blocks of {pool} in [0, {blocks})" + (" (or -1: none)" if none_ok else "")
+                         + f"; got {bad}")
+
+
 # --- values: nothing that is NaN/Inf, or becomes so once stored, reaches a block -----------------------
 
 def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor, v: Tensor, q: Tensor | None,
@@ -183,11 +199,13 @@ def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor
     (``packed_tokens_fit``); a uniform chunk past the sinks with one reduction per tensor; otherwise each row
     group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T)."""
     n0 = seq_lens
+    refused = lambda ok: _raise_refused(ok, config, lambda x: _refused_rows(config, n0, split, x, packed),  # noqa: E731
+                                        {"k": k, "v": v})
     if packed:
-        return _raise_refused(packed_tokens_fit(config, n0, split.lens, k, v, q, sink_logits), config)
+        return refused(packed_tokens_fit(config, n0, split.lens, k, v, q, sink_logits))
     if split is None:
         if not n0.numel() or int(n0.min()) >= config.sink_tokens:
-            return _raise_refused(peaks_fit(k, v, q, sink_logits, config.window_dtype) if k.numel() else {}, config)
+            return refused(peaks_fit(k, v, q, sink_logits, config) if k.numel() else {})
     ok = {"k": [], "v": [], "q": []}
     groups = []  # (positions [n, T] host, real [n, T] host or None, q, k, v [n, heads, T, D])
     if split is None:  # a uniform chunk whose first tokens go to the sinks
@@ -208,28 +226,58 @@ def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor
     named = {name: torch.stack(x).all() for name, x in ok.items() if x}
     if sink_logits is not None:
         named["sink_logits"] = ~(torch.isnan(sink_logits) | (sink_logits == float("inf"))).any()
-    _raise_refused(dict(zip(named, torch.stack(list(named.values())).tolist())) if named else {}, config)
+    refused(dict(zip(named, torch.stack(list(named.values())).tolist())) if named else {})
 
 
-def _raise_refused(ok: dict[str, bool], config: CacheConfig) -> None:
-    """Raise for the first value check that failed (``ok``: check name -> passed)."""
+def _raise_refused(ok: dict[str, bool], config: CacheConfig, rows=None, kv: dict | None = None) -> None:
+    """Raise for the first value check that failed (``ok``: check name -> passed); for k or v, ``rows(x)`` says
+    which rows' tokens of ``kv[name]`` were refused."""
     bad = next((name for name, passed in ok.items() if not passed), None)
     if bad in ("k", "v"):
+        limit = "" if config.bits == 16 else (
+            f", or |x| >= {window_bound(config, torch.float64):.6g} in the window (its block's zero or scale "
+            f"would overflow scale_dtype={config.scale_dtype})")
+        which = "" if rows is None else "; refused: rows {} ({} tokens, max |x| {:.4g})".format(*rows(kv[bad]))
         raise ValueError(f"{bad} contains NaN or Inf, or values that overflow the storage dtype "
-                         f"(sink_dtype={config.sink_dtype}, window_dtype={config.window_dtype}); "
-                         "refusing to store it (it would poison a whole block's scales)")
+                         f"(sink_dtype={config.sink_dtype}, window_dtype={config.window_dtype}){limit}; "
+                         f"refusing to store it (it would poison a whole block's scales){which}")
     if bad == "q":
         raise ValueError("q contains NaN or Inf")
     if bad == "sink_logits":
         raise ValueError("sink_logits must be free of NaN and +inf (-inf means no sink for that head)")
 
 
+def _refused_rows(config: CacheConfig, seq_lens: Tensor, split: Split | None, x: Tensor, packed: bool
+                  ) -> tuple[list[int], int, float]:
+    """For the message of a refusal only: ``(rows, tokens, max |x|)`` of the tokens of ``x`` (packed ``[N, heads,
+    D]``, or a padded chunk ``[B, heads, T, D]`` whose row b holds ``split.lens[b]`` tokens, all T without a
+    split) that the value checks refuse, each against the bound of the dtype it is stored in."""
+    if packed:
+        lens = torch.tensor(split.lens)
+        rows, pos = torch.repeat_interleave(torch.arange(lens.shape[0]), lens), token_positions(seq_lens, lens)
+        top = peak(x.flatten(1), dim=1)
+    else:
+        B, T = x.shape[0], x.shape[2]
+        lens = torch.full((B,), T) if split is None else torch.tensor(split.lens)
+        real = (torch.arange(T) < lens.unsqueeze(1)).flatten()
+        rows = torch.arange(B).repeat_interleave(T)[real]
+        pos = (seq_lens.unsqueeze(1) + torch.arange(T)).flatten()[real]
+        top = peak(x, dim=(1, 3)).flatten()[real.to(x.device)]
+    top = top.double().cpu()
+    bound = torch.where(pos < config.sink_tokens, overflow_bound(config.sink_dtype, x.dtype),
+                        window_bound(config, x.dtype))
+    bad = ~(top < bound)
+    if not bad.any():
+        return [], 0, math.nan
+    return sorted(set(rows[bad].tolist())), int(bad.sum()), float(top[bad].nan_to_num(math.inf).max())
+
+
 def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None,
-              window_dtype: torch.dtype) -> dict[str, bool]:
+              config: CacheConfig) -> dict[str, bool]:
     """Every token of ``k, v`` goes to the window: one reduction per tensor and one sync (one reduction over
-    all of them when they share one bound: a small step's cost is its ops). |x| below the window dtype's
-    overflow bound means finite once stored (NaN fails every comparison). Returns check name -> passed."""
-    bound = overflow_bound(window_dtype, k.dtype)
+    all of them when they share one bound: a small step's cost is its ops). |x| below ``window_bound`` means
+    finite once stored and quantizable in any block (NaN fails every comparison). Returns check name -> passed."""
+    bound = window_bound(config, k.dtype)
     named = {"k": (k, bound), "v": (v, bound)}
     if q is not None:
         named["q"] = (q, math.inf)
@@ -257,13 +305,13 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
     S = config.sink_tokens
     busy = [n for n, t in zip(seq_lens.tolist(), lens) if t]
     if not k.shape[0] or min(busy) >= S:
-        return peaks_fit(k, v, q, sink_logits, config.window_dtype) if k.numel() else {}
+        return peaks_fit(k, v, q, sink_logits, config) if k.numel() else {}
     to_sinks = (token_positions(seq_lens, torch.tensor(lens)) < S).to(k.device)             # [N]
     named = {}
     for name, x in (("k", k), ("v", v)):
         top = peak(x.flatten(1), dim=1).double()                                        # [N]
         bound = torch.where(to_sinks, overflow_bound(config.sink_dtype, x.dtype),
-                            overflow_bound(config.window_dtype, x.dtype))
+                            window_bound(config, x.dtype))
         named[name] = (top < bound).all()
     if q is not None:
         named["q"] = peak(q) < math.inf
@@ -280,26 +328,32 @@ def peak(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
 
 def storable(x: Tensor, pos: Tensor, real: Tensor | None, config: CacheConfig) -> Tensor:
     """0-dim bool: the tokens of ``x [B, heads, T, D]`` that will be stored stay finite once cast to the dtype
-    they are stored in. ``pos [B, T]`` (host) is each token's position in its sequence (the first
-    ``sink_tokens`` go to the sinks in ``sink_dtype``, later ones to the window in ``window_dtype``);
-    ``real [B, T]`` (host, or None: all) the tokens that are stored at all."""
+    they are stored in (and, in a quantized window, below ``window_bound``). ``pos [B, T]`` (host) is each
+    token's position in its sequence (the first ``sink_tokens`` go to the sinks in ``sink_dtype``, later ones to
+    the window in ``window_dtype``); ``real [B, T]`` (host, or None: all) the tokens that are stored at all."""
     if real is None and int(pos.min()) >= config.sink_tokens:  # the common case: every token to the window
-        return all_finite(_cast(x, config.window_dtype))
+        return all_below(x, window_bound(config, x.dtype))
     stored = torch.ones_like(pos, dtype=torch.bool) if real is None else real
     ok = []
-    for where, dtype in ((stored & (pos < config.sink_tokens), config.sink_dtype),
-                         (stored & (pos >= config.sink_tokens), config.window_dtype)):
+    for where, bound in ((stored & (pos < config.sink_tokens), overflow_bound(config.sink_dtype, x.dtype)),
+                         (stored & (pos >= config.sink_tokens), window_bound(config, x.dtype))):
         if bool(where.any()):
-            ok.append(all_finite(_cast(x, dtype), where))
+            ok.append(all_below(x, bound, where))
     return torch.stack(ok).all() if ok else torch.ones((), dtype=torch.bool, device=x.device)
+
+
+def all_below(x: Tensor, bound: float, where: Tensor | None = None) -> Tensor:
+    """0-dim bool: ``x [B, heads, T, D]`` below ``bound`` in magnitude (only at the ``[B, T]`` positions ``where``,
+    if given; NaN is not below anything)."""
+    if where is None:
+        return peak(x) < bound
+    below = peak(x, dim=(1, 3)) < bound                                 # [B, T] (NaN: False)
+    return ~(~below & where.to(x.device)).any()
 
 
 def all_finite(x: Tensor, where: Tensor | None = None) -> Tensor:
     """0-dim bool: ``x [B, heads, T, D]`` finite (only at the ``[B, T]`` positions ``where``, if given)."""
-    if where is None:
-        return peak(x) < math.inf
-    finite = peak(x, dim=(1, 3)) < math.inf                             # [B, T] (NaN: False)
-    return ~(~finite & where.to(x.device)).any()
+    return all_below(x, math.inf, where)
 
 
 def overflow_bound(dtype: torch.dtype, source: torch.dtype) -> float:
@@ -311,10 +365,31 @@ def overflow_bound(dtype: torch.dtype, source: torch.dtype) -> float:
     return fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2
 
 
+def window_bound(config: CacheConfig, source: torch.dtype) -> float:
+    """|x| of a ``source`` value at or above this is refused for the window, when it arrives: it would be inf once
+    cast to ``window_dtype``, or (bits 8/4) its block's quantization would overflow ``scale_dtype`` whatever the
+    block's other tokens. A block's zero is its min and its scale (max - min) / (2^bits - 1) <= 2 max|x| / 15 <
+    max|x|, both computed in float32 from the stored values: every stored |x| below ``scale_dtype``'s bound keeps
+    both finite. So a token is refused as it arrives, naming it, never a block later for the whole batch."""
+    bound = overflow_bound(config.window_dtype, source)
+    if config.bits != 16:
+        bound = min(bound, rounds_below(config.window_dtype, overflow_bound(config.scale_dtype, torch.float32)))
+    return bound
+
+
+def rounds_below(dtype: torch.dtype, limit: float) -> float:
+    """A bound for ``|x| < bound`` that accepts exactly the values of float32 (or narrower) at most the largest
+    ``dtype`` value below ``limit`` (so stored below ``limit``): that value's float32 successor, one bound that the
+    C code's float32 comparison reads the same. (A value just above it that would still round down is refused.)"""
+    if limit > torch.finfo(dtype).max:  # every finite value of dtype
+        return math.inf
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty(0, dtype=dtype).element_size()]
+    m = torch.tensor(limit, dtype=torch.float64).to(dtype)
+    while float(m) >= limit:  # the largest value of dtype below limit
+        m = (m.view(ints) - 1).view(dtype)
+    return float((m.float().view(torch.int32) + 1).view(torch.float32))
+
+
 def narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
     """Can a finite ``than`` value overflow to inf in ``dtype``?"""
     return torch.finfo(dtype).max < torch.finfo(than).max
-
-
-def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
-    return x.to(dtype) if narrower(dtype, x.dtype) else x

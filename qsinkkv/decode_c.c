@@ -625,10 +625,13 @@ typedef struct {
     const int64_t *at, *seqs, *ring_rows;  /* [n]: token i is x[at[i]], goes to row ring_rows[i] of sequence seqs[i] */
 } Store;
 
-/* Returns 0, or -1 when head_dim is beyond the fixed arrays. */
+/* Returns 0, -1 when head_dim is beyond the fixed arrays, or -5 (nothing written) when the table names no block
+ * (-1) for a row. */
 int qsinkkv_store_rows(const Store *s) {
     if (s->D > MAX_D || s->D < 1) return -1;
     const int64_t xe = elem_bytes(s->x_dtype), pe = elem_bytes(s->pool_dtype);
+    for (int64_t i = 0; i < s->n; i++)  /* a row the table gives no block: refused before anything is written */
+        if (s->table[s->seqs[i] * s->table_st0 + (s->ring_rows[i] / s->rows_per_block) * s->table_st1] < 0) return -5;
     for (int64_t i = 0; i < s->n; i++) {
         const int64_t r = s->ring_rows[i], rpb = s->rows_per_block;
         const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (r / rpb) * s->table_st1];
@@ -698,7 +701,8 @@ typedef struct {
 
 /* Gather each completing block (its older rows from the float ring, the step's cast to the window dtype),
  * quantize keys per channel and values per token and channel group, then write codes and scales to the block's
- * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written: returns -3 (and
+ * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written: returns -5 (nothing
+ * written) when the table names no page (-1) for a block, -3 (and
  * writes nothing) when a scale or zero overflows the scale dtype; -1 for sizes beyond the fixed arrays; -2 out
  * of memory; else 0. */
 int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
@@ -713,6 +717,12 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     float *ks = malloc((size_t)(c->n * H * D * 2) * sizeof(float));       /* key scale, zero [n, H, D] */
     float *vsz = malloc((size_t)(c->n * H * bs * K * 2) * sizeof(float));  /* value scale, zero [n, H, bs, K] */
     int code = x && codes && ks && vsz ? 0 : -2;
+    for (int64_t i = 0; i < c->n && !code; i++) {  /* a page or float block the tables do not give: -5 */
+        const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
+        if (a->quant_table[b * nq + blk % nq] < 0) code = -5;
+        for (int64_t t = 0; t < fresh && F && !code; t++)
+            if (a->float_table[b * nf + ((blk * bs + t) % F) / bs] < 0) code = -5;
+    }
     for (int64_t i = 0; i < c->n && !code; i++) {
         const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
         for (int kv = 0; kv < 2; kv++) {  /* gather: [H, bs, D] float32 of the window dtype's values */

@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import quant, write
-from .checks import overflow_bound as checks_bound
+from . import checks, quant, write
+from .checks import window_bound
 from .models import cache_dir
 from .storage import LayerStorage
 
@@ -239,6 +239,8 @@ class BlocksDecode:
     def __init__(self, block_table: Tensor, bias: Tensor):
         self.table, self.bias = block_table.long().contiguous(), bias.contiguous()  # the struct points into them
         self.B, nb = self.table.shape
+        # the blocks the table names, checked against each layer's pools in run (one min/max per step)
+        self.least, self.most = (int(x) for x in torch.aminmax(self.table)) if self.table.numel() else (-1, -1)
         if bias.dtype != torch.float32 or bias.dim() != 2 or bias.shape[0] != self.B or bias.shape[1] % max(nb, 1):
             raise ValueError(f"bias must be float32 [B={self.B}, nb * bs] (nb={nb}), got bias {bias.dtype} "
                              f"{list(bias.shape)}, block_table {list(block_table.shape)}")
@@ -258,6 +260,11 @@ class BlocksDecode:
         if D > MAX_HEAD_DIM or k_pool.shape != v_pool.shape or k_pool.shape[3] != D or H % Hkv:
             raise ValueError(f"k_pool, v_pool must be [Hkv, blocks, bs, D={D}] (D <= {MAX_HEAD_DIM}, H={H} a multiple "
                              f"of Hkv), got {list(k_pool.shape)} and {list(v_pool.shape)}")
+        if k_pool.dtype not in _DTYPES or v_pool.dtype != k_pool.dtype:
+            raise ValueError(f"k_pool, v_pool must be float32, bfloat16 or float16 (one dtype), got {k_pool.dtype} "
+                             f"and {v_pool.dtype}")
+        if self.least < -1 or self.most >= k_pool.shape[1] or v_pool.shape[1] != k_pool.shape[1]:
+            checks.table("block_table", self.table, min(k_pool.shape[1], v_pool.shape[1]), "k_pool and v_pool")
         _check_out(out, q)
         lies = (k_pool.shape, k_pool.stride(), v_pool.stride(), k_pool.dtype, v_pool.dtype, q.shape, q.stride(),
                 q.dtype, None if out is None else out.dtype, scale)
@@ -322,6 +329,7 @@ def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _A
     """The C struct over storage ``s`` (its pools, tables, sizes and dtypes; ``pools``: ``_pools(s)`` if the caller
     has it) and the call's own fields."""
     cfg = s.layout.config
+    _check_tables(s)
     pointers, strides = pools or _pools(s, keep)
     ptr = lambda t: _contiguous(t, keep).data_ptr()  # noqa: E731
     return _Args(Hkv=s.num_kv_heads, D=s.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
@@ -329,6 +337,25 @@ def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _A
                  groups=s.value_scale.shape[-1], **pointers, st=strides, sink_dtype=_DTYPES[cfg.sink_dtype],
                  window_dtype=_DTYPES[cfg.window_dtype], scale_dtype=_DTYPES[cfg.scale_dtype],
                  sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table), **call)
+
+
+_TABLES_SEEN: dict = {}  # the tables last checked against their pools: (address, version, shape, blocks) of each
+
+
+def _check_tables(s: LayerStorage) -> None:
+    """Every table of ``s`` names blocks of its pools or -1 (``checks.table``): the C code reads and writes through
+    them unchecked. A cache's tables change only when sequences come and go (their version says), so a check
+    is kept until then."""
+    named = (("sink_table", s.sink_table, s.sink_k), ("float_table", s.float_table, s.float_k),
+             ("quant_table", s.quant_table, s.key_codes))
+    key = tuple((t.data_ptr(), t._version, t.shape, pool.shape[1]) for _, t, pool in named)
+    if key in _TABLES_SEEN:
+        return
+    for name, t, pool in named:
+        checks.table(name, t, pool.shape[1], f"its pool ({name[:-6]} blocks)")
+    if len(_TABLES_SEEN) >= 256:
+        _TABLES_SEEN.clear()
+    _TABLES_SEEN[key] = True
 
 
 _POOLS_SEEN: dict = {}  # (data_ptr, shape, stride) of every pool -> (pointers, strides): the last layers' pools
@@ -446,11 +473,15 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
     not ``D`` apart)."""
     if not _store_applies(pool_k, pool_v, table, k, v):
         return write.store_rows(pool_k, pool_v, table, k, v, at, seqs, ring_rows, rows_per_block)
+    checks.table("table", table, min(pool_k.shape[1], pool_v.shape[1]), "pool_k and pool_v")
     keep = []
     s = _store_struct(pool_k, pool_v, table, k, v, [t.contiguous() for t in (at, seqs, ring_rows)], rows_per_block,
                       keep)
-    if _lib.qsinkkv_store_rows(ctypes.byref(s)):
-        raise RuntimeError("the C row write failed")
+    code = _lib.qsinkkv_store_rows(ctypes.byref(s))
+    if code == -5:
+        raise ValueError("table names no block (-1) for a row this write stores: nothing was written")
+    if code:
+        raise RuntimeError(f"the C row write failed (code {code})")
 
 
 def _complete_struct(s: LayerStorage, k: Tensor, v: Tensor, index: list, keep: list) -> _Complete:
@@ -481,6 +512,8 @@ def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: T
         code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
         if code == 0:
             return
+        if code == -5:
+            raise ValueError("quant_table names no page (-1) for a block this write completes: nothing was written")
         if code != -3:
             raise RuntimeError(f"the C block completion failed (code {code})")
     write.complete_blocks(s, k, v, at, seqs, blocks, first_new, quantizer)
@@ -550,7 +583,7 @@ class EngineDecode:
             c = _complete_struct(store, k_rows, v_rows, self.index[:4], keep)
             st = _store_struct(store.float_k, store.float_v, store.float_table, k_rows, v_rows, self.index[4:],
                                self.layout.block_size, keep)
-            bound = checks_bound(self.layout.config.window_dtype, k.dtype)
+            bound = window_bound(self.layout.config, k.dtype)
             self._structs = (lies, a, c, st, bound, keep) if as_laid else None  # keep: what the structs point into
         if _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound):
             return None

@@ -182,14 +182,17 @@ def _pages(table: Tensor, block: Tensor, first: Tensor, null_page: int) -> Tenso
     return torch.where(live, table.gather(1, logical.clamp(min=0, max=table.shape[1] - 1)), null_page)
 
 
-def step_tables(layout: WindowLayout, block_table: Tensor, held: Tensor, lens: Tensor, null_page: int = 0
-                ) -> tuple[Tensor, Tensor, Tensor]:
+def step_tables(layout: WindowLayout, block_table: Tensor, held: Tensor, lens: Tensor, null_page: int = 0,
+                num_pages: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A step's tables, from the engine's ``block_table [B, >= pages_needed]`` (host int, logical -> page), the
     tokens each row holds before the step ``held [B]`` and its new tokens ``lens [B]`` (host int64):
     ``(sink_table [B], quant_read [B, nq], quant_store [B, nq])``: the quantized ring before the step, and with
     the blocks this step completes at their pages. Raises if a page the step writes is the null page or past
-    the table (the engine did not allocate it)."""
+    the table (the engine did not allocate it), or if a page the step uses is negative or, given the pool's
+    ``num_pages``, past the pool (``EngineStep`` checks every layer's pool against the tables once per step)."""
     table = block_table.long()
+    if not 0 <= null_page < (num_pages or null_page + 1):
+        raise ValueError(f"null_page must be a page of the pool, in [0, {num_pages}), got {null_page}")
     first = first_page(layout, held)
     block_read, block_store = _ring_blocks(layout, held), _ring_blocks(layout, held + lens)
     quant_read = _pages(table, block_read, first, null_page)
@@ -204,7 +207,10 @@ def step_tables(layout: WindowLayout, block_table: Tensor, held: Tensor, lens: T
         raise RuntimeError("qsinkkv: the engine's block table names the null page (or no page) where this step writes "
                            f"a sink or a completing block: rows {unallocated.nonzero().flatten().tolist()} hold "
                            f"{held[unallocated].tolist()} tokens and bring {lens[unallocated].tolist()}")
-    return sink_table, quant_read, quant_store
+    used = (sink_table, quant_read, quant_store)
+    checks.table("block_table", torch.cat([t.flatten() for t in used]), num_pages or 1 << 62,
+                 "the engine's pool" if num_pages else "an engine's pool (pages are >= 0)", none_ok=False)
+    return used
 
 
 def ring_table(layout: WindowLayout, rings: Tensor) -> Tensor:
@@ -230,10 +236,20 @@ def storages(layer: LayerPools, layout: WindowLayout, tables: tuple[Tensor, Tens
     ``ring_table`` for the float pools: computed once per step, for every layer); one ``seq_lens`` (a copy of
     ``held``), which the write advances."""
     sink_table, quant_read, quant_store = tables
+    _check_pools(layer, tables, float_table)
     device = layer.pools["float_k"].device
     read = LayerStorage(layout, **layer.pools, sink_table=sink_table.to(device), float_table=float_table.to(device),
                         quant_table=quant_read.to(device), seq_lens=held.clone(), dense=False)
     return read, replace(read, quant_table=quant_store.to(device))
+
+
+def _check_pools(layer: LayerPools, tables: tuple[Tensor, Tensor, Tensor], float_table: Tensor) -> None:
+    """The step's tables name pages and float blocks of this layer's pools (host min/max)."""
+    pages = layer.pools["key_codes"].shape[1]
+    for name, t in zip(("sink_table", "quant_read", "quant_store"), tables):
+        checks.table(f"the step's {name} (from the engine's block_table)", t, pages, "this layer's pages",
+                     none_ok=False)
+    checks.table("float_table", float_table, layer.pools["float_k"].shape[1], "this layer's float rings")
 
 
 def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, *,
@@ -268,6 +284,11 @@ class EngineStep:
         self.layout, self.held, self.tables, self.float_table = layout, held, tables, float_table
         self.query_start_loc = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
         self.decoding = bool((lens == 1).all()) and bool((held >= max(layout.sink_tokens, 1)).all())
+        # the pages and float blocks the step names, past which a layer's pool must reach (checked per layer)
+        for name, t in (("block_table", torch.cat([t.flatten() for t in tables])), ("float_table", float_table)):
+            checks.table(name, t, 1 << 62, "a pool (entries >= 0)", none_ok=False)
+        self.pages_named = 1 + max((int(t.max()) for t in tables if t.numel()), default=-1)
+        self.floats_named = 1 + (int(float_table.max()) if float_table.numel() else -1)
         self._engine = None
         self.fused_layers = 0  # layers that ran fused (the others ran attend_packed)
 
@@ -283,6 +304,9 @@ class EngineStep:
         """``attend_packed``'s result for ``layer`` in q's dtype, or written into ``out`` (``[N, H, D]``, contiguous;
         the engine's output buffer: a fused step writes it in place, in its dtype) and returned."""
         if self.fused(ops):
+            pages, floats = layer.pools["key_codes"].shape[1], layer.pools["float_k"].shape[1]
+            if self.pages_named > pages or self.floats_named > floats:
+                _check_pools(layer, self.tables, self.float_table)  # raises, naming the table
             if self._engine is None:
                 self._engine = ops.engine_decode(self.records(layer)[1])
             done = self._engine.run(layer, q, k, v, scale, out)

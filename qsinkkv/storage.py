@@ -19,7 +19,8 @@ matmul when its blocks are contiguous:
 
 Float-ring row ``r`` of sequence b is row ``r % bs`` of block ``float_table[b, r // bs]``;
 quantized-ring slot j is block ``quant_table[b, j]``. A slot whose table entry is -1 was never
-written and holds no visible token (an op may read any block there: the mask drops it).
+written and holds no visible token: an op reads zeros there (``by_table``) or skips it, never another block
+(a block the sequence does not hold may be another's, or NaN: the mask is no guard, 0 x NaN is NaN).
 
 ``dense`` storage (``allocate``: a fixed batch, the plain cache) gives sequence b the blocks
 ``b * n .. b * n + n - 1`` of each pool, so reading through the tables is a view; a paged
@@ -195,11 +196,14 @@ def _identity_tables(layout: WindowLayout, batch_size: int, device: torch.device
 
 def by_table(pool: Tensor, table: Tensor, dense: bool) -> Tensor:
     """Read a pool ``[Hkv, blocks, ...]`` through a table ``[B, n]`` (or ``[B]``): ``[Hkv, B, n, ...]``
-    (``[Hkv, B, ...]``); a view when the storage is dense, else a gather (-1 entries read the last
-    block: they hold no visible token)."""
+    (``[Hkv, B, ...]``); a view when the storage is dense, else a gather in which a -1 entry (no block) reads
+    zeros. Never another block: a block the sequence does not hold may belong to another sequence or hold
+    anything, and the mask is no guard (0 x NaN is NaN)."""
     if dense:
         return pool.view(pool.shape[0], *table.shape, *pool.shape[2:])
-    return pool[:, table]
+    out = pool[:, table.clamp(min=0)]
+    none = (table < 0).view(1, *table.shape, *(1,) * (pool.dim() - 2))
+    return out.masked_fill_(none, 0)
 
 
 def gather(storage: LayerStorage, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:

@@ -199,6 +199,64 @@ def test_overflow_boundary_is_exact(window_dtype, at):
     assert_unchanged(cache, snap)
 
 
+# --- a quantized window refuses, when it arrives, a value its block could not quantize (issue 41, defect 4) ------
+
+@pytest.mark.parametrize("backend", ["torch", "c"])
+@pytest.mark.parametrize("how", ["append", "attend_packed", "paged"])
+def test_a_value_its_block_cannot_quantize_is_refused_when_it_arrives(backend, how):
+    """|v| = 1e5 fits the bf16 filling block but not the fp16 zero of the block it will complete into. It is
+    refused at once, naming v and its row, with the cache unchanged; the rows go on, and the step that completes
+    the block is not refused (before: accepted, then every retry of that later step refused for the whole
+    batch). The bound is exact: the largest bf16 below fp16's overflow (65280) is accepted."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=4, value_group_size=4,
+                      window_dtype=torch.bfloat16, scale_dtype=torch.float16)
+    if how == "paged":
+        cache = PagedCache(cfg, 1, HKV, D, max_seqs=B, float_blocks=8, quant_blocks=16, backend=backend,
+                           dtype=torch.float32)
+        for _ in range(B):
+            cache.admit()
+    else:
+        cache = make(cfg, backend=backend)
+    g = torch.Generator().manual_seed(3)
+
+    def step(bad=None, value=1e5):
+        q, k, v = (torch.randn(B, h, 1, D, generator=g) for h in (H, HKV, HKV))
+        if bad is not None:
+            v[1, 0, 0, 3] = value
+        if how == "append":
+            return cache.append(0, k, v)
+        qsl = torch.arange(B + 1)
+        return cache.attend_packed(0, q[:, :, 0], k[:, :, 0], v[:, :, 0], qsl)
+
+    for _ in range(3):                       # the sinks and a first window token
+        step()
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"v contains .*scale_dtype=torch.float16.*refused: rows \[1\]"):
+        step(bad=True)
+    assert_unchanged(cache, snap)
+    step(bad=True, value=-65280.0)           # stored as bf16 -65280: its block's zero fits fp16
+    for _ in range(6):                       # the blocks complete: nothing is refused
+        step()
+    assert int(cache.layers[0].seq_lens.min()) == 10
+
+
+def test_the_window_bound_keeps_every_block_quantizable():
+    """``window_bound``: the largest value accepted, alone in a block with its opposite, quantizes to finite
+    fp16 scales; for bits=16 only the window dtype bounds it."""
+    from qsinkkv import quant
+    from qsinkkv.checks import window_bound
+    cfg = CacheConfig(bits=4, window_dtype=torch.bfloat16, scale_dtype=torch.float16)
+    bound = window_bound(cfg, torch.float32)
+    top = torch.nextafter(torch.tensor(bound), torch.tensor(0.0)).item()   # the largest float32 accepted
+    block = torch.tensor([top, -top, 0.0, 1.0]).to(torch.bfloat16).view(1, 4, 1).expand(1, 4, 2)
+    quant.quantize_key_blocks(block, 4, torch.float16)                      # raises if it overflowed
+    with pytest.raises(ValueError, match="overflow scale_dtype"):
+        refused = (torch.tensor(top).to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16)  # next bf16
+        quant.quantize_key_blocks(torch.stack([-refused, refused, refused, refused]).view(1, 4, 1).expand(1, 4, 2),
+                                  4, torch.float16)
+    assert window_bound(CacheConfig(bits=16, window_dtype=torch.bfloat16), torch.float32) > 1e38
+
+
 # --- per-sequence arguments: lengths, a batch index, packed offsets ------------------------------------------------
 
 def test_select_batch_bool_mask_and_bad_indices():

@@ -376,3 +376,39 @@ def test_blocks_decode_prepared_once_serves_every_layer():
         assert out is None or got is out
     with pytest.raises(ValueError, match=r"q must be \[B=4"):
         step.run(q[:2], k_pool, v_pool, scale=0.2)
+
+
+# --- a table is input: every entry point checks it against its pool (issue 41, defect 2) --------------------------
+
+def test_tables_past_the_pool_are_refused_by_name_before_any_access():
+    """The probe's tables: ``decode_blocks_c`` with a block far past its 4 blocks (SEGV before), float64 pools (a bare
+    KeyError before); the C decode over a storage whose quantized table names a block past its pool; the C row
+    write with a table past its pool, or naming no block (-1) for a row it writes. Each raises a ValueError naming
+    the table (or the pools), and writes nothing."""
+    g = torch.Generator().manual_seed(41)
+    Hkv, G, bs, Dh = 2, 2, 4, 16
+    pools = torch.randn(Hkv, 4, bs, Dh, generator=g)
+    q, bias = torch.randn(1, Hkv * G, Dh, generator=g), torch.zeros(1, 2 * bs)
+    with pytest.raises(ValueError, match=r"block_table must name blocks of k_pool and v_pool in \[0, 4\).*1000000"):
+        decode_c.decode_blocks_c(q, pools, pools, torch.tensor([[0, 1000000]]), bias, scale=0.5)
+    with pytest.raises(ValueError, match=r"block_table must name .*-7"):
+        decode_c.decode_blocks_c(q, pools, pools, torch.tensor([[0, -7]]), bias, scale=0.5)
+    with pytest.raises(ValueError, match="k_pool, v_pool must be float32, bfloat16 or float16"):
+        decode_c.decode_blocks_c(q.double(), pools.double(), pools.double(), torch.tensor([[0, 1]]), bias, scale=0.5)
+
+    pool, draw = scattered_pool(4, "c")
+    layer = pool.layers[0]
+    layer.quant_table[1, 0] = layer.key_codes.shape[1]            # one past the pool
+    with pytest.raises(ValueError, match=r"quant_table must name blocks of its pool"):
+        decode_c.decode_attention_c(draw(3, 1)[0][:, :, 0], layer)
+
+    table = torch.tensor([[0, 1], [2, 9]])
+    k, v = torch.randn(2, Hkv, Dh, generator=g), torch.randn(2, Hkv, Dh, generator=g)
+    pool_k, pool_v = torch.zeros(Hkv, 4, bs, Dh), torch.zeros(Hkv, 4, bs, Dh)
+    index = [torch.tensor(x) for x in ([0, 1], [0, 1], [1, 6])]
+    with pytest.raises(ValueError, match=r"table must name blocks of pool_k and pool_v in \[0, 4\).*\[9\]"):
+        decode_c.store_rows_c(pool_k, pool_v, table, k, v, *index, bs)
+    table[1, 1] = -1                                               # row 1's ring row 6 is in its block 1: none
+    with pytest.raises(ValueError, match="names no block"):
+        decode_c.store_rows_c(pool_k, pool_v, table, k, v, *index, bs)
+    assert not pool_k.any() and not pool_v.any()

@@ -329,3 +329,46 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
         fused += engine_step.fused_layers
         held = held + lens
     assert fused == 20 * L
+
+
+@pytest.mark.parametrize("through", ["attend_packed", "EngineStep"])
+@pytest.mark.parametrize("backend", ["torch", "c"])
+def test_a_block_table_past_the_pool_is_refused_before_any_page_is_touched(through, backend):
+    """The probe's table ``[[1, 20]]`` over 16 pages, a 12-token prompt that completes a block: the C writer wrote
+    508 bytes past the pool (ASan: SEGV in qsinkkv_complete_blocks). Refused by name, every page byte, float ring
+    and length as it was; a negative page is refused by ``step_tables`` itself, and with the pool's size too."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=60, bits=4, block_size=8, value_group_size=8)
+    layout, pl = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D)
+    raw = torch.zeros(17, pl.page_bytes, dtype=torch.uint8)            # one row more: the bytes past the pool
+    buf = raw[:16]
+    float_k = torch.zeros(Hkv, layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
+    float_v = torch.zeros_like(float_k)
+    layer = LayerPools(pl.views(buf), float_k, float_v)
+    ops = select_ops(backend, torch.device("cpu"), D, None)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(12, Hkv * G, D, generator=g), torch.randn(12, Hkv, D, generator=g), \
+        torch.randn(12, Hkv, D, generator=g)
+    held, lens = torch.tensor([0]), torch.tensor([12])
+    tables = step_tables(layout, torch.tensor([[1, 20]]), held, lens)
+    float_table = ring_table(layout, torch.tensor([0]))
+    before = raw.clone()
+    with pytest.raises(ValueError, match=r"quant_store \(from the engine's block_table\) must name blocks of this "
+                                         r"layer's pages in \[0, 16\); got \[20\]"):
+        if through == "EngineStep":
+            EngineStep(layout, held, lens, tables, float_table).attend(ops, layer, q, k, v)
+        else:
+            attend_packed(ops, *storages(layer, layout, tables, float_table, held), q, k, v, torch.tensor([0, 12]))
+    assert torch.equal(raw, before) and not float_k.any() and not float_v.any()
+    with pytest.raises(ValueError, match=r"block_table must name blocks of the engine's pool in \[0, 16\)"):
+        step_tables(layout, torch.tensor([[1, 20]]), held, lens, num_pages=16)
+    with pytest.raises(ValueError, match=r"block_table must name blocks .*\[-3\]"):
+        step_tables(layout, torch.tensor([[-3, 2]]), held, lens)
+    # a decode step (fused on the C backend) whose table names a page past this layer's pool
+    tables = step_tables(layout, torch.tensor([[1, 2, 3]]), held, lens)
+    attend_packed(ops, *storages(layer, layout, tables, float_table, held), q, k, v, torch.tensor([0, 12]))
+    written = raw.clone()
+    held = torch.tensor([19])                                          # its next token completes block 1 (page 30)
+    tables = step_tables(layout, torch.tensor([[1, 2, 30]]), held, torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"must name blocks of this layer's pages in \[0, 16\); got \[30\]"):
+        EngineStep(layout, held, torch.tensor([1]), tables, float_table).attend(ops, layer, q[:1], k[:1], v[:1])
+    assert torch.equal(raw, written)

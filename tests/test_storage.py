@@ -47,3 +47,31 @@ def test_nbytes_counts_every_tensor():
     key_stats = 2 * B * H * 4 * 64 * 2
     value_stats = 2 * B * H * 4 * 16 * 2 * 2
     assert per_layer == sinks + float_ring + codes + key_stats + value_stats
+
+
+@pytest.mark.parametrize("backend", ["torch", "c"])
+@pytest.mark.parametrize("bits", [4, 16])
+def test_a_sequence_never_reads_blocks_it_does_not_hold(bits, backend):
+    """Issue 41, defect 3: with every free block of a ``PagedCache`` pool filled with NaN, a sequence alone in the
+    pool continuing with multi-token chunks (its table's -1 slots: blocks not yet written) gets finite rows, the
+    same bits as with the free blocks holding zeros (before: every such chunk came back all NaN)."""
+    from qsinkkv.paged import PagedCache
+    from qsinkkv.storage import STORAGE_TENSORS
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=14, bits=bits, block_size=4, value_group_size=8)
+    outs = []
+    for fill in (float("nan"), 0.0):
+        pool = PagedCache(cfg, 1, 2, 16, max_seqs=3, float_blocks=12, quant_blocks=12, dtype=torch.float32,
+                          backend=backend)
+        layer = pool.layers[0]
+        for name in STORAGE_TENSORS:
+            t = getattr(layer, name)
+            t.fill_(fill if t.is_floating_point() else 255)
+        pool.admit()
+        g = torch.Generator().manual_seed(bits)
+        rows = []
+        for T in (3, 5, 2, 9, 1, 6):
+            q, k, v = (torch.randn(1, h, T, 16, generator=g) for h in (6, 2, 2))
+            rows.append(pool.attend(0, q, k, v))
+        outs.append(torch.cat(rows, dim=2))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])

@@ -60,24 +60,37 @@ def release_rings(sink_pages: list[int]) -> None:
         _RINGS[0].release(sink_pages)
 
 
+def ended_sink_pages(scheduler_output, requests) -> list[int]:
+    """The sink pages of the requests that end their float ring with this step's scheduler output: those that
+    finished, and those preempted *in this step* (``preempted_req_ids``: the scheduler freed their blocks in the
+    same call, and may give the sink page to a new request of this very step, whose ring the builder takes after
+    this release). ``requests``: the worker's request states (``block_ids``: the pages they held, still the old
+    ones here). Not on resume: by then vLLM may have given the old sink page to another request, whose ring a
+    late release would free (issue 41, defect 1: the server died on ``FloatRings: rows ... hold tokens but no
+    float ring``)."""
+    ended = set(scheduler_output.finished_req_ids)
+    ended |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+    pages = []
+    for req_id in sorted(ended):
+        req = requests.get(req_id)
+        if req is not None and req.block_ids and req.block_ids[0]:
+            pages.append(int(req.block_ids[0][0]))
+    return pages
+
+
 def watch_request_ends() -> None:
     """Wrap the worker's ``GPUModelRunner._update_states`` (the CPU runner's too) once, so that the float rings
-    of requests that finish or are preempted go back before the step's metadata is built. vLLM's builder sees
-    only the scheduled rows, never which requests ended; the scheduler output that this method receives says."""
+    of requests that finish or are preempted go back before the step's metadata is built (``ended_sink_pages``).
+    vLLM's builder sees only the scheduled rows, never which requests ended; the scheduler output that this
+    method receives says. (A private method of vLLM 0.32, gone from 0.34's runner: the float ring's move into
+    vLLM's own pages, freed by vLLM's block pool with the rest, is what replaces this.)"""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     if getattr(GPUModelRunner, "_qsinkkv_watched", False):
         return
     update = GPUModelRunner._update_states
 
     def _update_states(self, scheduler_output):
-        ended = set(scheduler_output.finished_req_ids)
-        ended |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
-        pages = []
-        for req_id in ended:
-            req = self.requests.get(req_id)
-            if req is not None and req.block_ids and req.block_ids[0]:
-                pages.append(int(req.block_ids[0][0]))
-        release_rings(pages)
+        release_rings(ended_sink_pages(scheduler_output, self.requests))
         return update(self, scheduler_output)
 
     GPUModelRunner._update_states = _update_states

@@ -345,17 +345,20 @@ _TABLES_SEEN: dict = {}  # the tables last checked against their pools: (address
 def _check_tables(s: LayerStorage) -> None:
     """Every table of ``s`` names blocks of its pools or -1 (``checks.table``): the C code reads and writes through
     them unchecked. A cache's tables change only when sequences come and go (their version says), so a check
-    is kept until then."""
+    is kept until then; an inference tensor (an engine's step, under ``torch.inference_mode``) has no version
+    and is checked at every call (three min/max over a step's small tables)."""
     named = (("sink_table", s.sink_table, s.sink_k), ("float_table", s.float_table, s.float_k),
              ("quant_table", s.quant_table, s.key_codes))
-    key = tuple((t.data_ptr(), t._version, t.shape, pool.shape[1]) for _, t, pool in named)
-    if key in _TABLES_SEEN:
+    versioned = not any(t.is_inference() for _, t, _ in named)
+    key = tuple((t.data_ptr(), t._version, t.shape, pool.shape[1]) for _, t, pool in named) if versioned else None
+    if key is not None and key in _TABLES_SEEN:
         return
     for name, t, pool in named:
         checks.table(name, t, pool.shape[1], f"its pool ({name[:-6]} blocks)")
-    if len(_TABLES_SEEN) >= 256:
-        _TABLES_SEEN.clear()
-    _TABLES_SEEN[key] = True
+    if key is not None:
+        if len(_TABLES_SEEN) >= 256:
+            _TABLES_SEEN.clear()
+        _TABLES_SEEN[key] = True
 
 
 _POOLS_SEEN: dict = {}  # (data_ptr, shape, stride) of every pool -> (pointers, strides): the last layers' pools

@@ -412,3 +412,20 @@ def test_tables_past_the_pool_are_refused_by_name_before_any_access():
     with pytest.raises(ValueError, match="names no block"):
         decode_c.store_rows_c(pool_k, pool_v, table, k, v, *index, bs)
     assert not pool_k.any() and not pool_v.any()
+
+
+def test_tables_made_under_inference_mode_are_checked_too():
+    """An engine runs under ``torch.inference_mode``, whose tensors carry no version counter: the table check (kept
+    per version for a cache's tables) checks such tables at every call instead of failing on them."""
+    pool, draw = scattered_pool(4, "c")
+    layer = pool.layers[0]
+    q = draw(3, 1)[0][:, :, 0]
+    expect = decode_c.decode_attention_c(q, layer)
+    with torch.inference_mode():
+        from dataclasses import replace
+        tables = {n: getattr(layer, n).clone() for n in ("sink_table", "float_table", "quant_table")}
+        inferred = replace(layer, **tables)
+        assert torch.equal(decode_c.decode_attention_c(q, inferred), expect)
+        inferred.quant_table[0, 0] = layer.key_codes.shape[1]
+        with pytest.raises(ValueError, match="quant_table must name blocks"):
+            decode_c.decode_attention_c(q, inferred)

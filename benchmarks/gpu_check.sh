@@ -42,7 +42,7 @@ fi
 cd /tmp  # a checkout's own qsinkkv/ lacks kernels/: never import from the repo root
 if ! python3 -c "import qsinkkv.kernels" 2>/dev/null; then
   STAGE=$(mktemp -d)
-  cp -r "$REPO/qsinkkv" "$STAGE/" && cp -r "$REPO/kernels" "$STAGE/qsinkkv/kernels"
+  cp -r "$REPO/qsinkkv" "$STAGE/" && rm -f "$STAGE/qsinkkv/kernels" && cp -r "$REPO/kernels" "$STAGE/qsinkkv/kernels"
   export PYTHONPATH=$STAGE${PYTHONPATH:+:$PYTHONPATH}
 fi
 if [ -n "$WHEEL" ]; then

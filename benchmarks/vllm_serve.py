@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import add_window_options, recent_tokens, save_json, table_header
 
-from qsinkkv.engine_pages import PageLayout, float_ring_bytes, max_pages, pages_needed
+from qsinkkv.engine_pages import PageLayout, max_pages, pages_needed
 from qsinkkv.integrations.vllm.config import parse_config
 from qsinkkv.layout import WindowLayout
 
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     add_window_options(ap, 256, old_sinks=("--sink", "--sinks"), old_recent=("--recent",))
     ap.add_argument("--block", type=int, default=32, help="qsinkkv's block size (default 32)")
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype, stock vLLM's pages too (default bfloat16)")
-    ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's max_num_seqs: float rings (default 64)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM's max_num_seqs (default 64)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each engine, in turn (the table gives the median tokens/s; default 1)")
     ap.add_argument("--json", help="write the configuration and results here")
@@ -69,15 +69,12 @@ def main(argv=None) -> None:
             if "error" in r:
                 raise RuntimeError(f"{name}: {r['error']}")
             runs[name].append(r)
-    for name, qcfg in engines:
+    for name, _ in engines:
         r = dict(runs[name][0])
         speeds = sorted(x["tokens_per_s"] for x in runs[name])
         r["tokens_per_s_runs"] = speeds
         r["tokens_per_s"] = speeds[len(speeds) // 2]
-        outside = 0 if qcfg is None or qcfg["bits"] == 16 else \
-            L * args.max_num_seqs * float_ring_bytes(parse_config(qcfg), Hkv, D)
-        r["float_pool_bytes"] = outside
-        r["kv_tokens_equal_memory"] = int(r["kv_tokens"] * pool / (pool + outside))
+        r["kv_tokens_equal_memory"] = r["kv_tokens"]  # every byte is in vLLM's pool (the float ring: its pages)
         result["rows"].append(dict(engine=name, **r))
         save_json(args.json, result)
     C = S + W
@@ -89,22 +86,20 @@ def main(argv=None) -> None:
           f"turn), {args.dtype}, enforce_eager, max_num_seqs "
           f"{args.max_num_seqs}, VLLM_CPU_KVCACHE_SPACE={pool / 2**30:g} GiB; qsinkkv S={S} W={W} block "
           f"{args.block} (value groups of {args.block}); {model_dir.name}: {L} layers, {Hkv} KV heads, head_dim {D}")
-    table_header(["engine", "tokens/s", "x stock", "KV tokens (vLLM pool)", "float pools MiB",
-                  "KV tokens at equal memory", "x stock"], left=1)
+    table_header(["engine", "tokens/s", "x stock", "KV tokens at equal memory (vLLM's pool)", "x stock"], left=1)
     for r in rows:
-        print(f"| {r['engine']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | {r['kv_tokens']} | "
-              f"{r['float_pool_bytes'] / 2**20:.1f} | {r['kv_tokens_equal_memory']} | "
-              f"{r['kv_tokens_equal_memory'] / base_kv:.2f} |")
+        print(f"| {r['engine']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
+              f"{r['kv_tokens_equal_memory']} | {r['kv_tokens_equal_memory'] / base_kv:.2f} |")
     elem = 4 if args.dtype == "float32" else 2
     per_request = {name: request_bytes(C, bits, base_cfg, args.block, (L, Hkv, D), elem)
                    for name, bits in (("stock CPU_ATTN", None), ("qsinkkv bits=16", 16), ("qsinkkv bits=8", 8),
                                       ("qsinkkv bits=4", 4))}
-    print(f"a request at the capacity ({C} tokens), all layers (arithmetic, from the page and ring sizes):")
+    print(f"a request at the capacity ({C} tokens), all layers (arithmetic, from the page sizes):")
     table_header(["engine", "bytes / request", "requests in 1 GiB", "x stock"], left=1)
     for name, nbytes in per_request.items():
         print(f"| {name} | {nbytes} | {2**30 // nbytes} | {per_request['stock CPU_ATTN'] / nbytes:.2f} |")
     result["per_request_bytes_at_capacity"] = per_request
-    # the same at longer capacities: the sink page and the bf16 filling block weigh less as the window grows
+    # the same at longer capacities: the sink page and the bf16 filling block's pages weigh less as the window grows
     sweep = {}
     print("requests at capacity per stock request (the same arithmetic, S and block as above, W = capacity - S):")
     table_header(["capacity", "bits=8", "bits=4"], left=0)
@@ -114,8 +109,8 @@ def main(argv=None) -> None:
         sweep[cap] = {b: stock / request_bytes(cap, b, cfg_cap, args.block, (L, Hkv, D), elem) for b in (8, 4)}
         print(f"| {cap} | {sweep[cap][8]:.2f} | {sweep[cap][4]:.2f} |")
     result["requests_x_stock_by_capacity"] = sweep
-    layout = WindowLayout(parse_config({**base_cfg, "bits": 4}))
-    bound = max_pages(layout, 1 + max(map(len, prompts[:2])))
+    cfg4 = parse_config({**base_cfg, "bits": 4})
+    bound = max_pages(WindowLayout(cfg4), PageLayout.of(cfg4, Hkv, D).pinned, 1 + max(map(len, prompts[:2])))
     full = -(-(4 * C + 24) // args.block)
     print(f"int4, streaming {4 * C} tokens (4x the capacity {C}): real blocks held per request, most "
           f"{stream['held_blocks']['most']} (bound {bound}), at the end {stream['held_blocks']['at_end']}; "
@@ -126,12 +121,13 @@ def main(argv=None) -> None:
 
 def request_bytes(C: int, bits: int | None, base_cfg: dict, block: int, shape: tuple, elem: int) -> int:
     """Bytes one request of ``C`` tokens holds over every layer: stock pages (``bits`` None) and bits=16 keep
-    vLLM's own pages; bits 8/4 hold their pages and one float ring."""
+    vLLM's own pages; bits 8/4 hold their pages (the sink page, the float ring's and the window's blocks)."""
     L, Hkv, D = shape
     if bits in (None, 16):
         return L * -(-C // block) * block * Hkv * D * 2 * elem
     qc = parse_config({**base_cfg, "bits": bits})
-    return L * (pages_needed(WindowLayout(qc), C) * PageLayout.of(qc, Hkv, D).page_bytes + float_ring_bytes(qc, Hkv, D))
+    pages = PageLayout.of(qc, Hkv, D)
+    return L * pages_needed(WindowLayout(qc), pages.pinned, C) * pages.page_bytes
 
 
 def model_shape():

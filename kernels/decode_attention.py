@@ -465,6 +465,10 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         raise ValueError(f"q.device must be the cache device {layer.device}, got {q.device}")
     if D % 4:
         raise ValueError(f"the Triton decode kernel needs head_dim % 4 == 0, got head_dim={D}")
+    if layer.float_k.shape[2] != L.block_size or layer.float_table.shape[1] != L.float_slots:
+        raise ValueError(f"the Triton decode kernel reads float blocks of block_size={L.block_size} rows "
+                         f"({L.float_slots} a sequence); this storage's have {layer.float_k.shape[2]} rows "
+                         f"({layer.float_table.shape[1]} a sequence: an engine's pages); the C and torch ops read them")
     H = q.shape[1]
     G = H // Hkv
     if sink_logits is not None:

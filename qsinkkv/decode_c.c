@@ -344,11 +344,15 @@ static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, con
 typedef struct {
     /* sizes */
     int64_t Hkv, B, G, D, S, bs, quant_slots, float_slots, bits, groups;
+    /* the float ring: float_rows rows (its bias columns), in blocks of fr rows (a pool's own blocks: fr = bs; an
+     * engine's pages: the rows a page holds), float_slots blocks a sequence: ring row r is row r % fr of block
+     * float_table[b, r / fr] */
+    int64_t float_rows, fr;
     /* pools [Hkv, blocks, ...], addressed through the strides `st` at the end */
     const void *sink_k, *sink_v, *float_k, *float_v, *key_scale, *key_zero, *value_scale, *value_zero;
     const uint8_t *key_codes, *value_codes;
     int64_t sink_dtype, window_dtype, scale_dtype;
-    /* tables: sink [B], float [B, float_slots], quant [B, quant_slots] (int64, -1: none) */
+    /* tables: sink [B], float [B, float_slots], quant [B, quant_slots] (int64, -1: none; checked by the caller) */
     const int64_t *sink_table, *float_table, *quant_table;
     const void *q;             /* [B, Hkv * G, D] of q_dtype, rows of D contiguous, tokens q_stride elements apart */
     const float *bias;         /* [B, N] float32: 0 seen, -inf not */
@@ -404,9 +408,26 @@ static void prefetch_unit(const Args *a, int64_t u) {
     for (int64_t f = 0; f < a->float_slots; f++) {
         const int64_t blk = a->float_table[b * a->float_slots + f];
         if (blk < 0) continue;
-        prefetch_bytes((const char *)a->float_k + AT(FLOAT_K, h, blk) * we, bs * D * we);
-        prefetch_bytes((const char *)a->float_v + AT(FLOAT_V, h, blk) * we, bs * D * we);
+        prefetch_bytes((const char *)a->float_k + AT(FLOAT_K, h, blk) * we, a->fr * D * we);
+        prefetch_bytes((const char *)a->float_v + AT(FLOAT_V, h, blk) * we, a->fr * D * we);
     }
+}
+
+/* The seen rows among the float ring's rows [r0, r0 + m) (``bias`` their columns): how many, and for each its float
+ * block in fblk[i] and its row there in idx[i], leaving out rows whose block is none. A run of block_size ring rows
+ * is one segment of the sums whatever blocks hold it (the pool's own blocks of bs rows, or an engine's pages of fr
+ * rows each), so both give the same bits. */
+static int64_t float_seen(const Args *a, int64_t b, const float *bias, int64_t r0, int64_t m, int64_t *idx,
+                          int64_t *fblk) {
+    const int64_t n = seen_rows(bias, m, idx);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = r0 + idx[i], blk = a->float_table[b * a->float_slots + r / a->fr];
+        if (blk < 0) continue;
+        fblk[kept] = blk;
+        idx[kept++] = r % a->fr;
+    }
+    return kept;
 }
 
 /* units [u0, u1) of h * B + b. Scratch: `scores` 8 rows of Ns floats, each row 64-byte aligned (so that the
@@ -417,9 +438,9 @@ static void prefetch_unit(const Args *a, int64_t u) {
  * `vs`, `vz` [R, groups] a quantized block's value scales and zeros (of its seen rows, or of all its rows when
  * every one is seen: one load); `idx` [R] the seen rows' offsets in the segment */
 static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, float *rows, float *vs, float *vz,
-                         int64_t *idx) {
-    const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots, nf = a->float_slots;
-    const int64_t N = S + nq * bs + nf * bs, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
+                         int64_t *idx, int64_t *fblk) {
+    const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots;
+    const int64_t F = a->float_rows, N = S + nq * bs + F, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
     const int64_t Vn = (D + LANES - 1) / LANES, Dp = Vn * LANES, groups = a->groups, gsz = groups ? D / groups : D;
     /* value groups of whole vectors are dequantized in registers as they are added; others row by row first */
     const int in_registers = groups && gsz % LANES == 0;
@@ -461,12 +482,12 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                 score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn);
                 c += n;
             }
-            /* keys: float ring, a block at a time */
-            for (int64_t f = 0; f < nf; f++) {
-                const int64_t blk = a->float_table[b * nf + f];
-                if (blk < 0 || !(n = seen_rows(bias + S + nq * bs + f * bs, bs, idx))) continue;
+            /* keys: float ring, block_size rows at a time */
+            for (int64_t r0 = 0; r0 < F; r0 += bs) {
+                if (!(n = float_seen(a, b, bias + S + nq * bs + r0, r0, F - r0 < bs ? F - r0 : bs, idx, fblk)))
+                    continue;
                 for (int64_t i = 0; i < n; i++)
-                    load(a->float_k, a->window_dtype, AT(FLOAT_K, h, blk) + idx[i] * D, D, rows + i * Dp);
+                    load(a->float_k, a->window_dtype, AT(FLOAT_K, h, fblk[i]) + idx[i] * D, D, rows + i * Dp);
                 score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn);
                 c += n;
             }
@@ -522,11 +543,11 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                 else accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
                 c += n;
             }
-            for (int64_t f = 0; f < nf; f++) {
-                const int64_t blk = a->float_table[b * nf + f];
-                if (blk < 0 || !(n = seen_rows(bias + S + nq * bs + f * bs, bs, idx))) continue;
+            for (int64_t r0 = 0; r0 < F; r0 += bs) {
+                if (!(n = float_seen(a, b, bias + S + nq * bs + r0, r0, F - r0 < bs ? F - r0 : bs, idx, fblk)))
+                    continue;
                 for (int64_t i = 0; i < n; i++)
-                    load(a->float_v, a->window_dtype, AT(FLOAT_V, h, blk) + idx[i] * D, D, rows + i * Dp);
+                    load(a->float_v, a->window_dtype, AT(FLOAT_V, h, fblk[i]) + idx[i] * D, D, rows + i * Dp);
                 accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
                 c += n;
             }
@@ -543,17 +564,18 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
 /* Returns 0, or -1 when a size is beyond this file's fixed arrays, or -2 when out of memory. */
 int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     if (a->D > MAX_D || a->D < 1 || (a->groups && a->groups > MAX_D)) return -1;
-    const int64_t N = a->S + a->quant_slots * a->bs + a->float_slots * a->bs, Ns = (N + 15) / 16 * 16;
+    const int64_t N = a->S + a->quant_slots * a->bs + a->float_rows, Ns = (N + 15) / 16 * 16;
+    if (a->fr < 1 || a->float_slots * a->fr < a->float_rows) return -1;
     const int64_t Dp = (a->D + LANES - 1) / LANES * LANES, R = a->S > a->bs ? a->S : a->bs, K = a->groups > 1 ? a->groups : 1;
     const size_t rows_bytes = (size_t)(R * Dp) * sizeof(float);
     float *scores = aligned_alloc(64, (size_t)(8 * Ns) * sizeof(float));
     float *rows = aligned_alloc(64, (rows_bytes + 63) / 64 * 64);
     float *vs = malloc((size_t)(R * K) * sizeof(float)), *vz = malloc((size_t)(R * K) * sizeof(float));
-    int64_t *idx = malloc((size_t)R * sizeof(int64_t));
+    int64_t *idx = malloc((size_t)R * sizeof(int64_t)), *fblk = malloc((size_t)R * sizeof(int64_t));
     int code = 0;
-    if (scores && rows && vs && vz && idx) {
+    if (scores && rows && vs && vz && idx && fblk) {
         memset(rows, 0, rows_bytes);
-        attend_units(a, u0, u1, scores, rows, vs, vz, idx);
+        attend_units(a, u0, u1, scores, rows, vs, vz, idx, fblk);
     } else {
         code = -2;
     }
@@ -562,6 +584,7 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     free(vs);
     free(vz);
     free(idx);
+    free(fblk);
     return code;
 }
 
@@ -707,10 +730,11 @@ typedef struct {
  * of memory; else 0. */
 int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     const int64_t H = a->Hkv, D = a->D, bs = a->bs, F = c->float_rows, nf = a->float_slots, nq = a->quant_slots;
+    const int64_t fr = a->fr;
     const int64_t K = a->groups, gsz = K ? D / K : D, Dc = a->bits == 4 ? D / 2 : D, xe = elem_bytes(c->x_dtype);
     const int64_t we = elem_bytes(a->window_dtype), se = elem_bytes(a->scale_dtype);
     const int qmax = (1 << a->bits) - 1, sdt = (int)a->scale_dtype;
-    if (D > MAX_D || D < 1 || K < 1 || nq < 1) return -1;
+    if (D > MAX_D || D < 1 || K < 1 || nq < 1 || fr < 1) return -1;
     const int64_t per = H * bs * D;  /* one block, all heads: [H, bs, D] */
     float *x = malloc((size_t)(2 * per) * sizeof(float));
     uint8_t *codes = malloc((size_t)(c->n * 2 * per));
@@ -721,7 +745,7 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
         const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
         if (a->quant_table[b * nq + blk % nq] < 0) code = -5;
         for (int64_t t = 0; t < fresh && F && !code; t++)
-            if (a->float_table[b * nf + ((blk * bs + t) % F) / bs] < 0) code = -5;
+            if (a->float_table[b * nf + ((blk * bs + t) % F) / fr] < 0) code = -5;
     }
     for (int64_t i = 0; i < c->n && !code; i++) {
         const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
@@ -737,9 +761,9 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
                         if (c->x_dtype != a->window_dtype)
                             for (int64_t d = 0; d < D; d++) row[d] = round_to(row[d], (int)a->window_dtype);
                     } else {
-                        const int64_t ring = (blk * bs + t) % F, fblk = a->float_table[b * nf + ring / bs];
+                        const int64_t ring = (blk * bs + t) % F, fblk = a->float_table[b * nf + ring / fr];
                         const int64_t off = h * a->st[kv ? FLOAT_V : FLOAT_K][0] + fblk * a->st[kv ? FLOAT_V : FLOAT_K][1]
-                                            + (ring % bs) * D;
+                                            + (ring % fr) * D;
                         load((const char *)pool + off * we, (int)a->window_dtype, 0, (int)D, row);
                     }
                 }

@@ -43,7 +43,7 @@ MAX_HEAD_DIM = 512  # decode_c.c's fixed arrays (MAX_D)
 
 class _Args(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("Hkv", "B", "G", "D", "S", "bs", "quant_slots", "float_slots", "bits",
-                                               "groups")]
+                                               "groups", "float_rows", "fr")]
                 + [(n, ctypes.c_void_p) for n in ("sink_k", "sink_v", "float_k", "float_v", "key_scale", "key_zero",
                                                   "value_scale", "value_zero", "key_codes", "value_codes")]
                 + [(n, ctypes.c_int64) for n in ("sink_dtype", "window_dtype", "scale_dtype")]
@@ -283,6 +283,7 @@ class BlocksDecode:
             dt = _DTYPES[k.dtype]
             table = self.table.data_ptr()
             a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
+                      float_rows=nb * bs, fr=bs,
                       **pointers, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt, sink_table=table,
                       float_table=table, quant_table=table, q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype],
                       q_stride=q_stride, bias=self.bias.data_ptr(), sink_logits=None, scale=scale,
@@ -333,7 +334,8 @@ def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _A
     pointers, strides = pools or _pools(s, keep)
     ptr = lambda t: _contiguous(t, keep).data_ptr()  # noqa: E731
     return _Args(Hkv=s.num_kv_heads, D=s.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
-                 quant_slots=s.layout.quant_slots, float_slots=s.layout.float_slots, bits=cfg.bits,
+                 quant_slots=s.layout.quant_slots, float_slots=s.float_table.shape[1], bits=cfg.bits,
+                 float_rows=s.layout.float_rows, fr=s.float_k.shape[2],
                  groups=s.value_scale.shape[-1], **pointers, st=strides, sink_dtype=_DTYPES[cfg.sink_dtype],
                  window_dtype=_DTYPES[cfg.window_dtype], scale_dtype=_DTYPES[cfg.scale_dtype],
                  sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table), **call)
@@ -585,7 +587,7 @@ class EngineDecode:
                       sink_logits=None, scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
             c = _complete_struct(store, k_rows, v_rows, self.index[:4], keep)
             st = _store_struct(store.float_k, store.float_v, store.float_table, k_rows, v_rows, self.index[4:],
-                               self.layout.block_size, keep)
+                               store.float_k.shape[2], keep)
             bound = window_bound(self.layout.config, k.dtype)
             self._structs = (lies, a, c, st, bound, keep) if as_laid else None  # keep: what the structs point into
         if _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound):

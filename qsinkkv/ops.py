@@ -66,7 +66,7 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
         return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C,
                    decode_c.EngineDecode, prefill_fresh_packed)
     if backend == "triton":
-        from . import kernels
+        from .kernels import api as kernels
         return Ops("triton", kernels,
                    functools.partial(kernels.decode_attention, rotary=rotary, variant=decode_variant),
                    functools.partial(kernels.prefill_attention, rotary=rotary))

@@ -7,17 +7,20 @@ paging). The pools are head-major, so that a sequence's blocks of one head are o
 matmul when its blocks are contiguous:
 
   sink_k, sink_v           [Hkv, sink_pages, S, D]           sink_dtype    one page per sequence
-  float_k, float_v         [Hkv, float_blocks, bs, D]        window_dtype  (filling block + residual)
+  float_k, float_v         [Hkv, float_blocks, fr, D]        window_dtype  (filling block + residual)
   key_codes, value_codes   [Hkv, quant_blocks, bs, D/cpb]    uint8         (cpb = 2 for int4, else 1)
   key_scale, key_zero      [Hkv, quant_blocks, D]            scale_dtype   (per block and channel)
   value_scale, value_zero  [Hkv, quant_blocks, bs, D/G]      scale_dtype   (per token and group)
 
   sink_table   [B]                 int64, device   sequence b's sink page
-  float_table  [B, float_slots]    int64, device   the block of each float-ring slot (-1: none yet)
+  float_table  [B, nf]             int64, device   the float blocks of each sequence's ring (-1: none yet)
   quant_table  [B, quant_slots]    int64, device   the block of each quantized-ring slot (-1: none yet)
   seq_lens     [B]                 int64, host     tokens stored per sequence
 
-Float-ring row ``r`` of sequence b is row ``r % bs`` of block ``float_table[b, r // bs]``;
+Float-ring row ``r`` of sequence b is row ``r % fr`` of block ``float_table[b, r // fr]``, where ``fr`` is the
+float pool's own block (``float_k.shape[2]``, its one holder): ``block_size`` in the pools ``allocate`` makes
+(``nf = float_slots``), fewer rows in an engine's pages (``engine_pages``: a page holds ``fr`` rows, a ring
+``nf = cdiv(float_rows, fr)`` pages);
 quantized-ring slot j is block ``quant_table[b, j]``. A slot whose table entry is -1 was never
 written and holds no visible token: an op reads zeros there (``by_table``) or skips it, never another block
 (a block the sequence does not hold may be another's, or NaN: the mask is no guard, 0 x NaN is NaN).
@@ -236,7 +239,7 @@ def gather_into(storage: LayerStorage, part: str, out: Tensor) -> Tensor:
         else:
             quant.dequantize_values(read(codes, t), read(scale, t), read(zero, t), cfg.bits, cfg.value_group_size,
                                     out=blocks)
-    out[:, :, S + nq * bs:] = read(ring, s.float_table).flatten(2, 3)
+    out[:, :, S + nq * bs:] = read(ring, s.float_table).flatten(2, 3)[:, :, :s.layout.float_rows]
     return out
 
 

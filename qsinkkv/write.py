@@ -161,11 +161,11 @@ def commit(s: LayerStorage, p: WritePlan, k: Tensor, v: Tensor, quantizer, write
     """Carry out plan ``p`` over the step's tokens ``k, v [N, Hkv, D]``; returns what the undo must put back
     (nothing with keep_undo=False). Raises ValueError (nothing written) if a block's scale overflows."""
     layout, cfg, dev = s.layout, s.layout.config, s.device
-    bs = cfg.block_size
+    fr = s.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
     saved = []
     if keep_undo and p.live_float_rows.numel():
         row = p.live_float_row.to(dev)
-        where = (slice(None), s.float_table[p.live_float_rows.to(dev), row // bs], row % bs)
+        where = (slice(None), s.float_table[p.live_float_rows.to(dev), row // fr], row % fr)
         saved += [_save(t, where) for t in (s.float_k, s.float_v)]
     if keep_undo and p.full_rows.numel():  # every slot a block completes into: once per block_size tokens
         slot = p.full_block.to(dev) % layout.quant_slots  # (an engine's new page given back must come back as it was)
@@ -182,7 +182,7 @@ def commit(s: LayerStorage, p: WritePlan, k: Tensor, v: Tensor, quantizer, write
             x = x if x.shape[0] == s.batch_size else x[:s.batch_size]
             ring.view(ring.shape[0], s.batch_size, layout.float_rows, -1)[:, :, p.ring_row].copy_(x.transpose(0, 1))
     elif p.float_at.numel():
-        writer.store_rows(s.float_k, s.float_v, s.float_table, k, v, p.float_at, p.float_rows, p.float_row, bs)
+        writer.store_rows(s.float_k, s.float_v, s.float_table, k, v, p.float_at, p.float_rows, p.float_row, fr)
     if cheapest:  # (a row's view writes its lengths through to the whole storage's)
         s.seq_lens += 1
     else:
@@ -199,6 +199,7 @@ def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Ten
     written) if a scale or zero overflows ``scale_dtype``. The write's reference; ``decode_c`` has its C version."""
     layout, cfg = s.layout, s.layout.config
     bs, F, nq, dev = cfg.block_size, layout.float_rows, layout.quant_slots, s.device
+    fb = s.float_k.shape[2]  # rows of a float block
     fr, blk = seqs.to(dev), blocks.to(dev)
     tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
     new = tok >= first_new.to(dev).unsqueeze(1)                                     # the step's tokens
@@ -206,7 +207,7 @@ def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Ten
     parts = []
     for ring, x in ((s.float_k, k), (s.float_v, v)):
         if F:  # the block's older tokens are in the float ring (none when bs == 1 and R == 0: never read)
-            xb = ring[:, s.float_table[fr.unsqueeze(1), tok % F // bs], tok % bs]   # [Hkv, n, bs, D], a copy
+            xb = ring[:, s.float_table[fr.unsqueeze(1), tok % F // fb], tok % F % fb]  # [Hkv, n, bs, D], a copy
             i, t = new.nonzero(as_tuple=True)
             xb[:, i, t] = x[place[i, t].to(x.device)].transpose(0, 1).to(dev, cfg.window_dtype)
         else:

@@ -1,14 +1,7 @@
 import os
-import sys
 
-# `python -m pytest` from the repo root puts the root on sys.path, where kernels/ (installed as qsinkkv.kernels)
-# would shadow HF's `kernels` library that transformers imports
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _ROOT]
-os.environ.pop("PYTHONSAFEPATH", None)  # (`make test` sets it: the scripts the tests run need their own folder)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Triton kernels run natively on CUDA; elsewhere under Triton's interpreter on the CPU.
 # The variable must be set before triton.jit decorates the kernels (at import).

@@ -39,8 +39,7 @@ CASE_MARKS = {"generate": pytest.mark.model, "generate_interpret": pytest.mark.m
 
 
 def env(**extra):
-    """One thread: a smoke test, not a measurement. (The scripts import the installed qsinkkv; the repo root on
-    their path would put its folder kernels/ in place of HF's `kernels` library, which transformers imports.)"""
+    """One thread: a smoke test, not a measurement. (The scripts import the installed qsinkkv.)"""
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
 

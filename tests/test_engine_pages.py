@@ -10,14 +10,12 @@ import torch
 from qsinkkv import CacheConfig
 from qsinkkv.engine_pages import (
     EngineStep,
-    FloatRings,
     LayerPools,
     PageLayout,
     attend_packed,
     first_page,
     max_pages,
     pages_needed,
-    ring_table,
     step_tables,
     storages,
 )
@@ -31,8 +29,8 @@ Hkv, G, D = 2, 3, 16
 class Engine:
     """The engine side: a page pool with a free list, a block table per sequence (logical -> page)."""
 
-    def __init__(self, layout, num_pages, seed):
-        self.layout, self.g = layout, torch.Generator().manual_seed(seed)
+    def __init__(self, pages, num_pages, seed):
+        self.layout, self.pinned, self.g = pages.layout, pages.pinned, torch.Generator().manual_seed(seed)
         self.free = list(range(1, num_pages))  # page 0: the null page, zeros, never handed out
         random.Random(seed).shuffle(self.free)
         self.tables, self.held = {}, {}
@@ -44,20 +42,20 @@ class Engine:
     def schedule(self, seq, n, t, buf):
         """Before a step that brings t tokens to seq (holding n): hand back what no query sees, take what it needs."""
         table = self.tables.setdefault(seq, [])
-        gone = [table[j] for j in range(1, min(first_page(self.layout, n), len(table))) if table[j] != 0]
-        for j in range(1, min(first_page(self.layout, n), len(table))):
+        window = range(self.pinned, min(first_page(self.layout, self.pinned, n), len(table)))
+        gone = [table[j] for j in window if table[j] != 0]
+        for j in window:
             table[j] = 0
         self.free += gone
         self.garbage(gone, buf)
-        while len(table) < pages_needed(self.layout, n + t):
+        while len(table) < pages_needed(self.layout, self.pinned, n + t):
             table.append(self.free.pop(0))
-        assert sum(p != 0 for p in table) <= max_pages(self.layout, t)
+        assert sum(p != 0 for p in table) <= max_pages(self.layout, self.pinned, t)
 
     def finish(self, seq, buf):
         pages = [p for p in self.tables.pop(seq) if p]
         self.free += pages
         self.garbage(pages, buf)
-        return pages[:1]
 
     def block_table(self, seqs, width):
         out = torch.zeros(len(seqs), width, dtype=torch.int32)
@@ -104,11 +102,9 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
     num_pages = 64
     raw = torch.zeros(num_pages, pl.page_bytes + 32, dtype=torch.uint8)   # rows further apart than a page
     buf = raw[:, :pl.page_bytes]
-    engine = Engine(layout, num_pages, seed=bits)
+    engine = Engine(pl, num_pages, seed=bits)
     engine.garbage(range(1, num_pages), buf)
-    rings = FloatRings(8)
-    float_k = torch.zeros(Hkv, 8 * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
-    layer = LayerPools(pl.views(buf), float_k, torch.zeros_like(float_k))
+    layer = LayerPools(pl.views(buf))
     ops = select_ops(backend, torch.device("cpu"), D, None)
     ref = PagedCache(cfg, 1, Hkv, D, max_seqs=8, float_blocks=32, quant_blocks=64, dtype=torch.float32,
                      backend=backend)
@@ -133,17 +129,16 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
         k, v = torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
         before = torch.tensor([held[s] for s in seqs], dtype=torch.int64)
         width = max(len(engine.tables[s]) for s in seqs) + 2
-        tables = step_tables(layout, engine.block_table(seqs, width), before, lens)
-        ring = rings.rings(tables[0], before)
+        tables = step_tables(pl, engine.block_table(seqs, width), before, lens)
         into = None
         if through.startswith("EngineStep"):
-            engine_step = EngineStep(layout, before, lens, tables, ring_table(layout, ring))
+            engine_step = EngineStep(layout, before, lens, tables)
             into = torch.full(q.shape, float("nan"), dtype=torch.bfloat16) if through.endswith("bf16") else None
             out = engine_step.attend(ops, layer, q, k, v, out=into)
             assert into is None or out is into
             fused += engine_step.fused_layers
         else:
-            read, store = storages(layer, layout, tables, ring_table(layout, ring), before)
+            read, store = storages(layer, layout, tables, before)
             out = attend_packed(ops, read, store, q, k, v, qsl)
             assert store.seq_lens.tolist() == (before + lens).tolist()
         # the same K/V through PagedCache: every admitted row, in its own order (0 tokens: it waits)
@@ -165,10 +160,9 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
         for s in seqs:
             held[s] += step[s]
         for s in finished:
-            rings.release(engine.finish(s, buf))
+            engine.finish(s, buf)
             ref.release(ids.pop(s))
             del held[s]
-        assert rings.in_use() == len(ids)
     assert (fused >= 5) == (through.startswith("EngineStep") and backend == "c"), fused
 
 
@@ -176,14 +170,26 @@ def step_by_id(step, ids, sid):
     return next((t for s, t in step.items() if ids[s] == sid), 0)
 
 
-def test_page_bytes_match_paged_cache_blocks():
-    """A page holds one quantized block of every head (what PagedCache's quantized block holds), or a sink page."""
-    for bits in (8, 4):
-        cfg = CacheConfig(sink_tokens=4, recent_tokens=252, bits=bits, block_size=32, value_group_size=32)
-        pl = PageLayout.of(cfg, 3, 64)
-        sizes = block_bytes(cfg, 3, 64)
-        assert pl.page_bytes == max(sizes["quant"], sizes["sink"]) + (-max(sizes["quant"], sizes["sink"]) % 16)
-        assert pl.page_bytes < sizes["float"]   # why the filling block is not a page
+@pytest.mark.parametrize("shape", [(3, 64, 32, 32), (8, 128, 64, 64), (1, 16, 8, 8), (2, 16, 16, 4)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_page_bytes_match_paged_cache_blocks(bits, shape):
+    """A page holds one quantized block of every head (what PagedCache's quantized block holds), or a sink page, or
+    ``float_block_rows`` rows of the filling block: it spans the fewest pages whose rows fit the page (at the
+    default shape a bf16 block is 3.2 int4 pages: 4 pages of 8 rows; 1.8 int8 pages: 2 of 16), and no page grows
+    for it."""
+    Hkv_, D_, bs, group = shape
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=252, bits=bits, block_size=bs, value_group_size=group)
+    pl = PageLayout.of(cfg, Hkv_, D_)
+    sizes = block_bytes(cfg, Hkv_, D_)
+    assert pl.page_bytes == max(sizes["quant"], sizes["sink"]) + (-max(sizes["quant"], sizes["sink"]) % 16)
+    F, rows = pl.float_pages, pl.float_block_rows
+    region = lambda r: -(-Hkv_ * r * D_ * 2 // 16) * 16  # noqa: E731  (bf16 K or V rows of every head, aligned)
+    assert F * rows >= bs and 2 * region(rows) <= pl.page_bytes
+    assert F == 1 or 2 * region(-(-bs // (F - 1))) > pl.page_bytes   # the fewest pages
+    if shape == (3, 64, 32, 32):
+        assert (F, rows) == ({4: 4, 8: 2}[bits], {4: 8, 8: 16}[bits])
+    views = pl.views(torch.zeros(2, pl.page_bytes, dtype=torch.uint8))
+    assert views["float_k"].shape == (Hkv_, 2, rows, D_) and views["float_k"].dtype == cfg.window_dtype
 
 
 def test_refusals_name_the_input():
@@ -197,48 +203,42 @@ def test_refusals_name_the_input():
         pl.views(torch.zeros(4, pl.page_bytes, dtype=torch.float32))
     with pytest.raises(ValueError, match="aligned"):
         pl.views(torch.zeros(4, pl.page_bytes + 3, dtype=torch.uint8)[:, :pl.page_bytes])
-    rings = FloatRings(1)
-    rings.rings(torch.tensor([5]), torch.tensor([0]))
-    with pytest.raises(RuntimeError, match="float rings are in use"):
-        rings.rings(torch.tensor([5, 6]), torch.tensor([3, 0]))
-    with pytest.raises(RuntimeError, match="no float ring"):
-        rings.rings(torch.tensor([7]), torch.tensor([3]))
-    layout = WindowLayout(CacheConfig(sink_tokens=4, recent_tokens=60, block_size=16, value_group_size=16))
+    pl = PageLayout.of(CacheConfig(sink_tokens=4, recent_tokens=60, block_size=16, value_group_size=16), 2, 16)
+    assert (pl.float_pages, pl.float_block_rows) == (3, 6)  # 16 rows of bf16 K and V in 3 pages of 768 bytes
+    floats = [5, 6, 7]
     with pytest.raises(RuntimeError, match="null page"):   # a step that completes a block into a page never given
-        step_tables(layout, torch.tensor([[3, 0, 0]]), torch.tensor([19]), torch.tensor([1]))
+        step_tables(pl, torch.tensor([[3, *floats, 0]]), torch.tensor([19]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="null page"):   # a window token whose float page was never given
+        step_tables(pl, torch.tensor([[3, 5, 0, 7]]), torch.tensor([4]), torch.tensor([1]))
 
 
 def test_refused_step_changes_no_page_ring_or_length():
-    """Non-finite K/V or q is refused by name before the step writes: every page byte, both float pools and
+    """Non-finite K/V or q is refused by name before the step writes: every page byte (float pages included) and
     the lengths stay as they were."""
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
     layout = WindowLayout(cfg)
     pl = PageLayout.of(cfg, Hkv, D)
-    buf = torch.zeros(16, pl.page_bytes, dtype=torch.uint8)
+    buf = torch.zeros(1 + 2 * (pl.pinned + 3), pl.page_bytes, dtype=torch.uint8)
     pools = pl.views(buf)
-    float_k = torch.zeros(Hkv, 2 * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
-    float_v = torch.zeros_like(float_k)
     ops = select_ops("torch", torch.device("cpu"), D, None)
-    rings = FloatRings(2)
     g = torch.Generator().manual_seed(0)
-    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    table = 1 + torch.arange(2 * (pl.pinned + 3)).view(2, -1)
     held, lens = torch.tensor([0, 0]), torch.tensor([12, 5])   # two prompts: both complete a block
     for bad in ("k", "v", "q"):
         qsl = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
         q = torch.randn(17, Hkv * G, D, generator=g)
         k, v = torch.randn(17, Hkv, D, generator=g), torch.randn(17, Hkv, D, generator=g)
         {"k": k, "v": v, "q": q}[bad][9, 0, 1] = float("nan")
-        tables = step_tables(layout, table, held, lens)
-        float_table = ring_table(layout, rings.rings(tables[0], held))
-        read, store = storages(LayerPools(pools, float_k, float_v), layout, tables, float_table, held)
-        before = (buf.clone(), float_k.clone(), float_v.clone(), store.seq_lens.clone())
+        tables = step_tables(pl, table, held, lens)
+        read, store = storages(LayerPools(pools), layout, tables, held)
+        before = (buf.clone(), store.seq_lens.clone())
         with pytest.raises(ValueError, match=bad):
             attend_packed(ops, read, store, q, k, v, qsl)
-        assert torch.equal(buf, before[0]) and torch.equal(float_k, before[1]) and torch.equal(float_v, before[2])
-        assert torch.equal(store.seq_lens, before[3]) and torch.equal(read.seq_lens, before[3])
+        assert torch.equal(buf, before[0])
+        assert torch.equal(store.seq_lens, before[1]) and torch.equal(read.seq_lens, before[1])
     k[9, 0, 1] = v[9, 0, 1] = q[9, 0, 1] = 0.5   # the same step, finite: it does write the pages and a ring
     attend_packed(ops, read, store, q, k, v, qsl)
-    assert not torch.equal(buf, before[0]) and not torch.equal(float_k, before[1])
+    assert not torch.equal(buf, before[0]) and store.float_k[:, tables[1].flatten()].any()
     assert store.seq_lens.tolist() == [12, 5]
 
 
@@ -246,19 +246,17 @@ def test_refused_step_changes_no_page_ring_or_length():
 def test_a_refused_decode_step_runs_the_named_refusal(bad):
     """A decode step (every row one token) that the fused C path refuses -- non-finite k, v or q, or a block
     whose scale overflows fp16 -- writes nothing there and falls to ``attend_packed``, which raises by name:
-    every page byte, both float pools and the lengths stay as they were. An output buffer it cannot write
+    every page byte (float pages included) and the lengths stay as they were. An output buffer it cannot write
     (float64) is refused by name before anything is written."""
     if not select_ops("auto", torch.device("cpu"), D, None).engine_decode:
         pytest.skip("no C decode")
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
     layout, pl = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D)
-    buf = torch.zeros(16, pl.page_bytes, dtype=torch.uint8)
+    buf = torch.zeros(1 + 2 * (pl.pinned + 3), pl.page_bytes, dtype=torch.uint8)
     pools = pl.views(buf)
-    float_k = torch.zeros(Hkv, 2 * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
-    float_v = torch.zeros_like(float_k)
     ops = select_ops("c", torch.device("cpu"), D, None)
-    rings, g = FloatRings(2), torch.Generator().manual_seed(1)
-    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    g = torch.Generator().manual_seed(1)
+    table = 1 + torch.arange(2 * (pl.pinned + 3)).view(2, -1)
 
     def step(held, lens, poison=None):
         qsl = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
@@ -269,24 +267,24 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
             k[1, 0, 0] = -1e6
         elif poison in ("k", "v", "q"):
             {"k": k, "v": v, "q": q}[poison][1, 0, 1] = float("nan")
-        tables = step_tables(layout, table, held, lens)
-        engine_step = EngineStep(layout, held, lens, tables, ring_table(layout, rings.rings(tables[0], held)))
+        tables = step_tables(pl, table, held, lens)
+        engine_step = EngineStep(layout, held, lens, tables)
         assert engine_step.fused(ops) == (poison is not None)
         out = torch.empty(q.shape, dtype=torch.float64) if poison == "out" else None
-        return engine_step.attend(ops, LayerPools(pools, float_k, float_v), q, k, v, out=out)
+        return engine_step.attend(ops, LayerPools(pools), q, k, v, out=out)
 
     step(torch.tensor([0, 0]), torch.tensor([12, 10]))   # prompts (row 1 completes a block with its next token)
     held = torch.tensor([12, 10])
-    before = (buf.clone(), float_k.clone(), float_v.clone())
+    before = buf.clone()
     with pytest.raises(ValueError, match={"scale": "overflow scale_dtype", "out": "out must be"}.get(bad, bad)):
         step(held, torch.tensor([1, 1]), poison=bad)
-    assert torch.equal(buf, before[0]) and torch.equal(float_k, before[1]) and torch.equal(float_v, before[2])
+    assert torch.equal(buf, before)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_one_decode_step_over_many_layers_equals_each_alone(bits):
     """One ``EngineStep`` for every layer of a step, as the vLLM backend runs it: the C structs of the first layer
-    are kept and a later layer changes only their pointers. Each layer (its own pages, float pools, q, k, v; q
+    are kept and a later layer changes only their pointers. Each layer (its own pages, q, k, v; q
     and k, v also as strided views of one fused qkv row, and two layers' q copied because their rows are not
     contiguous) must give, bit for bit, what ``attend_packed`` gives on a copy of that layer alone, and write
     the same bytes."""
@@ -298,20 +296,17 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
     B, L, per = 3, 4, 12
     ops = select_ops("c", torch.device("cpu"), D, None)
     g = torch.Generator().manual_seed(bits)
+    per += pl.pinned
     bufs = [torch.zeros(1 + B * per, pl.page_bytes, dtype=torch.uint8) for _ in range(L)]
-    floats = [(torch.zeros(Hkv, B * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype),
-               torch.zeros(Hkv, B * layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)) for _ in range(L)]
-    layers = [LayerPools(pl.views(buf), *f) for buf, f in zip(bufs, floats)]  # once, as an engine makes them
+    layers = [LayerPools(pl.views(buf)) for buf in bufs]  # once, as an engine makes them
     table = 1 + torch.arange(B * per).view(B, per)
-    rings = FloatRings(B)
     held = torch.zeros(B, dtype=torch.int64)
     fused = 0
     for lens in [torch.tensor([13, 6, 9])] + [torch.ones(B, dtype=torch.int64)] * 20:
         qsl = torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0)))
         N = int(qsl[-1])
-        tables = step_tables(layout, table, held, lens)
-        ring = ring_table(layout, rings.rings(tables[0], held))
-        engine_step = EngineStep(layout, held, lens, tables, ring)
+        tables = step_tables(pl, table, held, lens)
+        engine_step = EngineStep(layout, held, lens, tables)
         for layer in range(L):
             qkv = torch.randn(N, (Hkv * G + 2 * Hkv) * D, generator=g, dtype=torch.bfloat16)
             q = qkv[:, :Hkv * G * D].view(N, Hkv * G, D)
@@ -319,13 +314,12 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
             v = qkv[:, (Hkv * G + Hkv) * D:].view(N, Hkv, D)
             if layer >= 2:  # rows not contiguous: these layers read a copy of q and keep no structs
                 q = torch.randn(N, D, Hkv * G, generator=g, dtype=torch.bfloat16).transpose(1, 2)
-            copies = (bufs[layer].clone(), floats[layer][0].clone(), floats[layer][1].clone())
-            read, store = storages(LayerPools(pl.views(copies[0]), *copies[1:]), layout, tables, ring, held)
+            copy = bufs[layer].clone()
+            read, store = storages(LayerPools(pl.views(copy)), layout, tables, held)
             expect = attend_packed(ops, read, store, q, k, v, qsl, scale=0.3)
             out = engine_step.attend(ops, layers[layer], q, k, v, scale=0.3)
             assert torch.equal(out, expect), f"layer {layer}, lens {lens.tolist()}"
-            assert torch.equal(bufs[layer], copies[0]) and torch.equal(floats[layer][0], copies[1]) \
-                and torch.equal(floats[layer][1], copies[2])
+            assert torch.equal(bufs[layer], copy)
         fused += engine_step.fused_layers
         held = held + lens
     assert fused == 20 * L
@@ -335,40 +329,57 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
 @pytest.mark.parametrize("backend", ["torch", "c"])
 def test_a_block_table_past_the_pool_is_refused_before_any_page_is_touched(through, backend):
     """The probe's table ``[[1, 20]]`` over 16 pages, a 12-token prompt that completes a block: the C writer wrote
-    508 bytes past the pool (ASan: SEGV in qsinkkv_complete_blocks). Refused by name, every page byte, float ring
-    and length as it was; a negative page is refused by ``step_tables`` itself, and with the pool's size too."""
+    508 bytes past the pool (ASan: SEGV in qsinkkv_complete_blocks). Refused by name, every page byte and length
+    as it was; a negative page is refused by ``step_tables`` itself, and with the pool's size too."""
     cfg = CacheConfig(sink_tokens=4, recent_tokens=60, bits=4, block_size=8, value_group_size=8)
     layout, pl = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D)
     raw = torch.zeros(17, pl.page_bytes, dtype=torch.uint8)            # one row more: the bytes past the pool
     buf = raw[:16]
-    float_k = torch.zeros(Hkv, layout.float_slots, cfg.block_size, D, dtype=cfg.window_dtype)
-    float_v = torch.zeros_like(float_k)
-    layer = LayerPools(pl.views(buf), float_k, float_v)
+    layer = LayerPools(pl.views(buf))
     ops = select_ops(backend, torch.device("cpu"), D, None)
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(12, Hkv * G, D, generator=g), torch.randn(12, Hkv, D, generator=g), \
         torch.randn(12, Hkv, D, generator=g)
     held, lens = torch.tensor([0]), torch.tensor([12])
-    tables = step_tables(layout, torch.tensor([[1, 20]]), held, lens)
-    float_table = ring_table(layout, torch.tensor([0]))
+    floats = list(range(2, 2 + pl.float_pages))
+    tables = step_tables(pl, torch.tensor([[1, *floats, 20]]), held, lens)
     before = raw.clone()
     with pytest.raises(ValueError, match=r"quant_store \(from the engine's block_table\) must name blocks of this "
                                          r"layer's pages in \[0, 16\); got \[20\]"):
         if through == "EngineStep":
-            EngineStep(layout, held, lens, tables, float_table).attend(ops, layer, q, k, v)
+            EngineStep(layout, held, lens, tables).attend(ops, layer, q, k, v)
         else:
-            attend_packed(ops, *storages(layer, layout, tables, float_table, held), q, k, v, torch.tensor([0, 12]))
-    assert torch.equal(raw, before) and not float_k.any() and not float_v.any()
+            attend_packed(ops, *storages(layer, layout, tables, held), q, k, v, torch.tensor([0, 12]))
+    assert torch.equal(raw, before)
     with pytest.raises(ValueError, match=r"block_table must name blocks of the engine's pool in \[0, 16\)"):
-        step_tables(layout, torch.tensor([[1, 20]]), held, lens, num_pages=16)
+        step_tables(pl, torch.tensor([[1, *floats, 20]]), held, lens, num_pages=16)
     with pytest.raises(ValueError, match=r"block_table must name blocks .*\[-3\]"):
-        step_tables(layout, torch.tensor([[-3, 2]]), held, lens)
+        step_tables(pl, torch.tensor([[-3, *floats, 2]]), held, lens)
     # a decode step (fused on the C backend) whose table names a page past this layer's pool
-    tables = step_tables(layout, torch.tensor([[1, 2, 3]]), held, lens)
-    attend_packed(ops, *storages(layer, layout, tables, float_table, held), q, k, v, torch.tensor([0, 12]))
+    last = 2 + pl.float_pages
+    tables = step_tables(pl, torch.tensor([[1, *floats, last]]), held, lens)
+    attend_packed(ops, *storages(layer, layout, tables, held), q, k, v, torch.tensor([0, 12]))
     written = raw.clone()
     held = torch.tensor([19])                                          # its next token completes block 1 (page 30)
-    tables = step_tables(layout, torch.tensor([[1, 2, 30]]), held, torch.tensor([1]))
+    tables = step_tables(pl, torch.tensor([[1, *floats, last, 30]]), held, torch.tensor([1]))
     with pytest.raises(ValueError, match=r"must name blocks of this layer's pages in \[0, 16\); got \[30\]"):
-        EngineStep(layout, held, torch.tensor([1]), tables, float_table).attend(ops, layer, q[:1], k[:1], v[:1])
+        EngineStep(layout, held, torch.tensor([1]), tables).attend(ops, layer, q[:1], k[:1], v[:1])
     assert torch.equal(raw, written)
+
+
+def test_the_triton_decode_refuses_float_blocks_of_another_size():
+    """An engine's float pages hold fewer rows than a block: the Triton decode (which indexes blocks of block_size
+    rows) refuses such a storage by name rather than read it wrong; the torch decode reads it."""
+    from qsinkkv.kernels.decode_attention import decode_attention
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
+    layout, pl = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D)
+    assert pl.float_block_rows < cfg.block_size
+    buf = torch.zeros(1 + pl.pinned + 3, pl.page_bytes, dtype=torch.uint8)
+    held, lens = torch.tensor([0]), torch.tensor([12])
+    tables = step_tables(pl, 1 + torch.arange(pl.pinned + 3).view(1, -1), held, lens)
+    read, store = storages(LayerPools(pl.views(buf)), layout, tables, held)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(12, h, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
+    attend_packed(select_ops("torch", torch.device("cpu"), D, None), read, store, q, k, v, torch.tensor([0, 12]))
+    with pytest.raises(ValueError, match="float blocks of block_size=8 rows"):
+        decode_attention(q[:1], store)

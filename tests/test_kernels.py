@@ -18,8 +18,8 @@ from triton.runtime.errors import OutOfResources
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, quant
 from qsinkkv import ops as ops_mod
-from qsinkkv.kernels import decode_attention, decode_attention_reference
 from qsinkkv.kernels import quantize as kq
+from qsinkkv.kernels.api import decode_attention, decode_attention_reference
 from qsinkkv.ops import select_ops
 
 decode_mod = importlib.import_module("qsinkkv.kernels.decode_attention")  # the module, not the function
@@ -347,7 +347,7 @@ ROT_SCALED = Rotary(ROT.inv_freq, attention_scaling=1.25)  # yarn's factor on co
 def check_prefill(bits, S, W, bs, R, prior, T, lengths, G, logits, blocks, rope, seed):
     """The kernel against the reference in float32 and its float64 run on the same storage (every slot
     dequantized exactly); padding rows zero. rope: the cache_index contract."""
-    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.kernels.api import prefill_attention
     from qsinkkv.prefill import prefill_attention_reference
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=8,
                       residual_tokens=min(R, W), positions="cache_index" if rope else "absolute")
@@ -409,7 +409,7 @@ def test_prefill_random_layouts(bits, S, W, bs, R, prior, T, cut, G, logits, blo
 def test_prefill_half_inputs(dtype):
     """fp16 (tensor-core operands in the interpreter as on a GPU) and bf16 (widened in the interpreter)
     queries and chunks over a bf16-sink int4 layer, at the GPU tolerance."""
-    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.kernels.api import prefill_attention
     from qsinkkv.prefill import prefill_attention_reference
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=8, value_group_size=8)
     layer = prefilled_layer(cfg, [50, 3], 2, 32, seed=7)
@@ -425,7 +425,7 @@ def test_prefill_half_inputs(dtype):
 def test_prefill_strided_chunk_and_nonfinite_padding():
     """A value chunk laid out as HF's transpose view gives (strides unlike the keys'), NaN/Inf in the
     padding of k and v: the kernel reads neither, and the real rows equal the reference's."""
-    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.kernels.api import prefill_attention
     from qsinkkv.prefill import prefill_attention_reference
     cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=8, block_size=4, value_group_size=8)
     layer = prefilled_layer(cfg, [9, 30], 2, D, seed=3)
@@ -449,7 +449,7 @@ def test_prefill_strided_chunk_and_nonfinite_padding():
 def test_backend_prefill_choice():
     """The Triton backend prefills through the kernel under both contracts (the rotary bound in), the torch
     backend through SDPA per tile (absolute) or the reference (cache_index)."""
-    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.kernels.api import prefill_attention
     from qsinkkv.ops import select_ops
     assert select_ops("triton", torch.device(DEVICE), D, None).prefill.func is prefill_attention
     rope = select_ops("triton", torch.device(DEVICE), D, ROT).prefill
@@ -507,7 +507,7 @@ def test_decode_variant_is_an_argument():
 
 def test_prefill_positions_past_2_31():
     """A chunk into streams longer than 2^31 and 2^32 tokens: the kernel's relative int32 positions."""
-    from qsinkkv.kernels import prefill_attention
+    from qsinkkv.kernels.api import prefill_attention
     from qsinkkv.prefill import prefill_attention_reference
     cfg = CacheConfig(sink_tokens=3, recent_tokens=13, bits=4, block_size=4, value_group_size=8, residual_tokens=2)
     layer = random_storage_layer(cfg, 3, 2, seed=2)
@@ -530,7 +530,7 @@ def test_triton_kernel_reads_the_block_table(bits):
     from conftest import DEVICE, KERNEL_TOL
 
     from qsinkkv.decode import decode_attention_reference
-    from qsinkkv.kernels import decode_attention, prefill_attention
+    from qsinkkv.kernels.api import decode_attention, prefill_attention
     from qsinkkv.prefill import prefill_attention_reference
     pool, draw = scattered_pool(bits, "triton", DEVICE)
     layer = pool.layers[0]

@@ -44,10 +44,20 @@ def _held(manager, request_id: str) -> int:
 def run(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV pool (else vLLM reserves most of the RAM)
-    if spec.get("step"):
+    if spec.get("step") or spec.get("count_preemptions"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    preempted = []
+    if spec.get("count_preemptions"):  # the scheduler, in this process: count the requests it preempts
+        from vllm.v1.core.sched.scheduler import Scheduler
+        preempt = Scheduler._preempt_request
+
+        def counting(self, request, *args, **kwargs):
+            preempted.append(request.request_id)
+            return preempt(self, request, *args, **kwargs)
+
+        Scheduler._preempt_request = counting
     captured = []
     if spec.get("capture"):
         _capture_first_layer(captured)
@@ -90,6 +100,7 @@ def run(spec: dict) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     out["seconds"] = time.perf_counter() - t0
+    out["preemptions"] = len(preempted) if spec.get("count_preemptions") else None
     if spec.get("capture"):
         import torch
         torch.save(captured, spec["capture"])

@@ -51,6 +51,21 @@ def test_past_capacity_follows_qsinkkv_reference(reference, llm):
     assert max(out["held_blocks"]["most"]) <= bound, out["held_blocks"]
 
 
+def test_a_preempted_request_gives_the_tokens_it_gives_without_preemption(reference):
+    """bits=16 float32, S=4 W=60, 4 of the reference's prompts x 128 tokens streaming past the capacity, in a pool
+    of 10 blocks (a request holds up to 4): vLLM preempts requests and recomputes them from their prompts. Every
+    request completes, and gives the tokens it gives in a pool with room for all (issue 41)."""
+    run = reference["bits16"]
+    spec = {"prompts": run["prompts"][:4], "max_tokens": len(run["tokens"][0]), "qsinkkv": run["config"],
+            "max_model_len": 256, "count_preemptions": True}
+    roomy = run_engine(spec)
+    tight = run_engine({**spec, "llm": {"num_gpu_blocks_override": 10}})
+    assert "error" not in roomy and "error" not in tight, (roomy.get("error"), tight.get("error"))
+    assert roomy["preemptions"] == 0 and tight["preemptions"] > 0, (roomy["preemptions"], tight["preemptions"])
+    assert [len(t) for t in tight["tokens"]] == [len(run["tokens"][0])] * 4
+    assert tight["tokens"] == roomy["tokens"]
+
+
 def _replay_into_paged_cache(steps: list, cfg) -> int:
     """Feed one layer's captured vLLM forwards (``engine.py`` capture) to ``PagedCache`` in the engine's row order;
     every output must be the same bits. A request is its sink page; one that starts on a page takes a new
@@ -96,9 +111,10 @@ def test_quantized_layer_equals_paged_cache_and_follows_qsinkkv(reference, bits,
     Hkv, D = steps[0]["k"].shape[1:]
     sizes = block_bytes(cfg, Hkv, D)
     assert out["page_size_bytes"] == PageLayout.of(cfg, Hkv, D).page_bytes == max(sizes["quant"], sizes["sink"])
-    layout = WindowLayout(cfg)
-    assert max(out["held_blocks"]["most"]) <= max_pages(layout, 1 + max(map(len, prompts)))
-    assert out["held_blocks"]["at_end"] == [1 + layout.quant_slots] * len(prompts)  # sink page + a window's blocks
+    layout, pinned = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D).pinned
+    assert max(out["held_blocks"]["most"]) <= max_pages(layout, pinned, 1 + max(map(len, prompts)))
+    # the sink page, the float ring's pages and a window's blocks
+    assert out["held_blocks"]["at_end"] == [pinned + layout.quant_slots] * len(prompts)
     if bits == 4:
         C = cfg.capacity
         firsts = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), None) for r, o in zip(ref, out["tokens"])]

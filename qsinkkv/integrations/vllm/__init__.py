@@ -64,8 +64,6 @@ def register() -> None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
         member = AttentionBackendEnum.CUSTOM if current_platform.is_cuda_alike() else AttentionBackendEnum.CPU_ATTN
         register_backend(member, BACKEND_PATH)  # idempotent: the same path every time
-        if cfg.bits != 16:
-            state.watch_request_ends()  # the worker hands back finished requests' float rings
         return member.get_path()
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)

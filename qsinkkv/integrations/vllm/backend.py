@@ -94,7 +94,8 @@ class QSinkKVBackend(AttentionBackend):
             fields.update(dtype=torch.uint8, num_head_slots=1, tokens_per_state=spec.block_size,
                           state_content_bytes=page.page_bytes, page_size_padded=None)
         return QSinkKVSpec(**fields, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
-                           in_flight_tokens=state.in_flight_tokens(), bits=cfg.bits)
+                           in_flight_tokens=state.in_flight_tokens(), bits=cfg.bits,
+                           pinned_pages=page.pinned if cfg.bits != 16 else 1)
 
 
 @dataclass

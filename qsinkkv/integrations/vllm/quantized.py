@@ -1,15 +1,14 @@
 """bits 8/4 inside vLLM: vLLM's pages hold qsinkkv's storage and qsinkkv's ops run over vLLM's block table.
 
 A vLLM block of one layer is a page of opaque bytes (``qsinkkv.engine_pages.PageLayout``): a request's
-logical block 0 is its sink page (its first ``sink_tokens`` K/V in ``sink_dtype``), logical block 1 + b
-holds block b of its window as int8/int4 codes + scales; the spec's manager (``spec.py``) allocates exactly
-those and hands back the blocks that leave the window. The filling block (bf16, bigger than a page) lives
-in a float pool per layer beside vLLM's pages, one ring per request vLLM runs at once (``max_num_seqs``),
-allocated once when the layer is built; ``engine_pages.float_ring_bytes`` says how much, for every memory
-comparison.
+logical block 0 is its sink page (its first ``sink_tokens`` K/V in ``sink_dtype``), logical blocks 1 ..
+``float_pages`` its filling block (bf16, bigger than a page: ``float_block_rows`` rows a page), logical block
+``pinned + b`` holds block b of its window as int8/int4 codes + scales; the spec's manager (``spec.py``)
+allocates exactly those and hands back the blocks that leave the window. Every byte a request uses is in
+vLLM's pool: finish, abort and preemption free it with the rest, through vLLM's own block pool.
 
 Per step the metadata builder (once, for all layers) turns vLLM's block table into the tables of
-``engine_pages.step_tables`` and each request's float ring, held by the step's ``engine_pages.EngineStep``; per
+``engine_pages.step_tables``, held by the step's ``engine_pages.EngineStep``; per
 layer the forward runs it over the layer's pools (``engine_pages.LayerPools``, made once): ``attend_packed``
 (qsinkkv's checks, write (quantize-once as a block completes), prefill and decode -- the code ``PagedCache``
 runs, so one layer's output equals ``PagedCache`` fed the same K/V), or for a decode step on the CPU the same
@@ -34,7 +33,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...config import CacheConfig
-from ...engine_pages import EngineStep, LayerPools, PageLayout, ring_table, step_tables
+from ...engine_pages import EngineStep, LayerPools, PageLayout, step_tables
 from ...layout import WindowLayout
 from ...ops import select_ops
 from . import state
@@ -53,8 +52,9 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if not isinstance(kv_cache_spec, QSinkKVSpec) or kv_cache_spec.bits == 16:
             raise TypeError(f"qsinkkv's quantized backend needs its own KV cache spec, got {kv_cache_spec!r}")
-        self.layout = WindowLayout(state.active())  # one for every layer: its visible-bias memo serves them all
-        self.rings = state.float_rings(vllm_config.scheduler_config.max_num_seqs)
+        cfg = state.active()
+        self.layout = WindowLayout(cfg)  # one for every layer: its visible-bias memo serves them all
+        self.pages = PageLayout.of(cfg, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> QuantMetadata:
@@ -63,10 +63,8 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         qsl = m.query_start_loc_cpu[:B + 1].long()
         lens = qsl[1:] - qsl[:-1]
         held = m.seq_lens[:B].cpu().long() - lens
-        tables = step_tables(self.layout, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
-        rings = self.rings.rings(tables[0], held)
-        return QuantMetadata(m.num_actual_tokens,
-                             EngineStep(self.layout, held, lens, tables, ring_table(self.layout, rings)))
+        tables = step_tables(self.pages, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
+        return QuantMetadata(m.num_actual_tokens, EngineStep(self.layout, held, lens, tables))
 
 
 class QuantImpl(AttentionImpl):
@@ -81,15 +79,9 @@ class QuantImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.layout = WindowLayout(cfg)
         self.pages = PageLayout.of(cfg, num_kv_heads, head_size)
-        device = vllm_config.device_config.device
-        rings = vllm_config.scheduler_config.max_num_seqs
-        shape = (num_kv_heads, rings * self.layout.float_slots, cfg.block_size, head_size)
-        # one float ring per request vLLM runs at once, allocated now (not at the first step) so that
-        # vLLM's memory profile sees it
-        self.float_k = torch.zeros(shape, dtype=cfg.window_dtype, device=device)
-        self.float_v = torch.zeros(shape, dtype=cfg.window_dtype, device=device)
-        backend = "auto" if self.float_k.device.type == "cpu" else "torch"
-        self.ops = select_ops(backend, self.float_k.device, head_size, None)
+        device = torch.device(vllm_config.device_config.device)
+        backend = "auto" if device.type == "cpu" else "torch"
+        self.ops = select_ops(backend, device, head_size, None)
         self._layer = None  # (kv_cache data_ptr, the LayerPools over it)
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
@@ -110,11 +102,9 @@ class QuantImpl(AttentionImpl):
         return output
 
     def _pools(self, kv_cache: Tensor) -> LayerPools:
-        """This layer's pools: over its pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8) and its float rings,
-        made once."""
+        """This layer's pools: over its pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8), made once."""
         if self._layer is None or self._layer[0] != kv_cache.data_ptr():
-            self._layer = (kv_cache.data_ptr(), LayerPools(self.pages.views(kv_cache[:, 0, 0]), self.float_k,
-                                                           self.float_v))
+            self._layer = (kv_cache.data_ptr(), LayerPools(self.pages.views(kv_cache[:, 0, 0])))
         return self._layer[1]
 
 

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from ...config import CacheConfig
-from ...engine_pages import SINK_PAGES, first_page, max_pages, pages_needed
+from ...engine_pages import first_page, max_pages, pages_needed
 from ...layout import WindowLayout
 
 
@@ -33,6 +33,8 @@ class QSinkKVSpec(FullAttentionSpec):
     recent_tokens: int = 252
     in_flight_tokens: int = 0  # the most tokens one step may add to a request (max_num_batched_tokens)
     bits: int = 16             # 16: vLLM's own pages, position-aligned; 8/4: qsinkkv's pages (engine_pages)
+    pinned_pages: int = 1      # bits 8/4: pages a request holds for life, its sink page and float ring's
+                               # (``engine_pages.PageLayout.pinned``)
 
     def layout(self) -> WindowLayout:
         """The window's layout (its counts only: value_group_size plays no part in them)."""
@@ -40,18 +42,19 @@ class QSinkKVSpec(FullAttentionSpec):
                                         bits=self.bits, block_size=self.block_size, value_group_size=1))
 
     def sink_blocks(self) -> int:
-        return SINK_PAGES if self.bits != 16 else cdiv(self.sink_tokens, self.block_size)
+        """Blocks a request holds for its life (bits 8/4: the sink page and the float ring's pages)."""
+        return self.pinned_pages if self.bits != 16 else cdiv(self.sink_tokens, self.block_size)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens is given (some may have been handed back since)."""
         if self.bits == 16:
             return cdiv(num_tokens, self.block_size)
-        return pages_needed(self.layout(), num_tokens)
+        return pages_needed(self.layout(), self.pinned_pages, num_tokens)
 
     def max_blocks_per_request(self) -> int:
         """Blocks one request holds at most, however long it streams."""
         if self.bits != 16:
-            return max_pages(self.layout(), self.in_flight_tokens)
+            return max_pages(self.layout(), self.pinned_pages, self.in_flight_tokens)
         window = cdiv(self.recent_tokens - 1 + max(self.in_flight_tokens, 1), self.block_size) + 1
         return self.sink_blocks() + window
 
@@ -65,12 +68,12 @@ class QSinkKVSpec(FullAttentionSpec):
     @classmethod
     def merge(cls, specs):
         base = FullAttentionSpec.merge(specs)
-        ours = {(s.sink_tokens, s.recent_tokens, s.in_flight_tokens, s.bits) for s in specs}
+        ours = {(s.sink_tokens, s.recent_tokens, s.in_flight_tokens, s.bits, s.pinned_pages) for s in specs}
         if len(ours) != 1:
             raise AssertionError(f"qsinkkv: every layer of a KV cache group must share one window, got {ours}")
-        S, W, T, bits = ours.pop()
+        S, W, T, bits, pinned = ours.pop()
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-        return cls(**fields, sink_tokens=S, recent_tokens=W, in_flight_tokens=T, bits=bits)
+        return cls(**fields, sink_tokens=S, recent_tokens=W, in_flight_tokens=T, bits=bits, pinned_pages=pinned)
 
 
 class QSinkKVManager(FullAttentionManager):
@@ -103,7 +106,8 @@ class QSinkKVManager(FullAttentionManager):
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         if self.window is not None:  # the window's pages that no later query sees
-            self._remove_blocks_in_range(request_id, SINK_PAGES, first_page(self.window, processed_computed_tokens))
+            pinned = self.spec.pinned_pages
+            self._remove_blocks_in_range(request_id, pinned, first_page(self.window, pinned, processed_computed_tokens))
             return
         bs = self.block_size
         first = cdiv(self.sink_tokens, bs)                       # the first block holding no sink

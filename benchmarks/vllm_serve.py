@@ -1,7 +1,7 @@
 """vLLM with the qsinkkv plugin (bits 16, 8, 4) vs stock CPU_ATTN on the default model, one engine per
 process: tokens/s at a batch (greedy, enforce_eager), the KV tokens vLLM's pool holds for the same
-VLLM_CPU_KVCACHE_SPACE, the same at equal memory (bits 8/4 keep each request's filling block in float
-pools beside vLLM's pages, ``max_num_seqs`` rings: their bytes come off the budget), and the real blocks a
+VLLM_CPU_KVCACHE_SPACE (every byte of bits 8/4 is in it: each request's filling block takes pages of the pool),
+the requests that fit at capacity per stock request (arithmetic from the page sizes), and the real blocks a
 request holds while it streams 4x past the capacity.
 
 Run it with the vLLM venv's python (``make vllm-demo``); the model folder comes from the main

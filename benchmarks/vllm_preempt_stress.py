@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +19,7 @@ from pathlib import Path
 from common import save_json, table_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests_vllm"))
-from test_vllm_server import _free_port, _get, _metric, _request  # noqa: E402
-
-CONFIG = {"sink_tokens": 4, "recent_tokens": 252, "bits": 4, "block_size": 32, "value_group_size": 32}
+from test_vllm_server import PREEMPT_ARGS, PREEMPT_CONFIG, _get, _metric, _request, serving  # noqa: E402
 
 
 def main() -> None:
@@ -35,30 +30,9 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=900, help="seconds one round may take")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from engine import default_model
-    model, port = default_model(), _free_port()
-    env = dict(os.environ, VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache"),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"qsinkkv-vllm-stress-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
-                             "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
-                             "--no-enable-prefix-caching", "--max-model-len", "1024", "--max-num-seqs", "32",
-                             "--num-gpu-blocks-override", "64", "--additional-config", json.dumps({"qsinkkv": CONFIG})],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     rows = []
-    try:
-        start = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}; see {log.name}")
-            try:
-                if _get(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() - start > 300:
-                raise SystemExit(f"the server did not come up in 300 s; see {log.name}")
-            time.sleep(2)
+    with serving(PREEMPT_ARGS, PREEMPT_CONFIG, "stress") as running:
+        port, model, proc = running["port"], running["model"], running["proc"]
 
         def complete(i: int) -> int:
             conn, r = _request(port, "POST", "/v1/completions",
@@ -88,15 +62,7 @@ def main() -> None:
                          "seconds": round(time.monotonic() - t0, 1), "server_alive": proc.poll() is None})
             before = preemptions
             save_json(args.json, {"config": vars(args), "rows": rows})
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-    print(f"vLLM OpenAI server + qsinkkv int4 ({CONFIG}), 64 pages, max-num-seqs 32: {args.rounds} rounds of "
+    print(f"vLLM OpenAI server + qsinkkv int4 ({PREEMPT_CONFIG}), 64 pages, max-num-seqs 32: {args.rounds} rounds of "
           f"{args.requests} concurrent greedy requests x {args.tokens} tokens, 127.0.0.1")
     table_header(["round", "completed / requests", "preemptions", "KV usage after", "seconds", "server alive"], left=0)
     for r in rows:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -87,19 +88,18 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextmanager
+def serving(args: list[str], config: dict, name: str):
+    """vLLM's OpenAI server with the plugin (``config``) on 127.0.0.1 and a free port, ``args`` its own options
+    (the model, host, port and config added), up within 300 s: yields ``{port, model, proc, log}``; killed after."""
     model = default_model()
     port = _free_port()
     env = dict(os.environ, VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache"),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"qsinkkv-vllm-serve-{port}.log", "w")
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"qsinkkv-vllm-{name}-{port}.log", "w")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
-               "--max-model-len", "512", "--max-num-seqs", str(STREAMS),
-               "--additional-config", json.dumps({"qsinkkv": CONFIG})]
-    proc = subprocess.Popen(command,
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+               "--port", str(port), *args, "--additional-config", json.dumps({"qsinkkv": config})]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         start = time.monotonic()
         while True:
@@ -116,6 +116,13 @@ def server():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving(["--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "512",
+                  "--max-num-seqs", str(STREAMS)], CONFIG, "serve") as running:
+        yield running
 
 
 def test_completions_and_chat_answer(server):
@@ -165,36 +172,16 @@ PREEMPT_CONFIG = {"sink_tokens": 4, "recent_tokens": 252, "bits": 4, "block_size
 PREEMPT_REQUESTS, PREEMPT_TOKENS, PREEMPT_DEADLINE = 24, 300, 600
 
 
+# the probe's server: the README's int4 config, ``--max-model-len 1024 --max-num-seqs 32`` and a pool of 64 pages
+# (about five requests' worth at their peak), so that concurrent requests preempt each other
+PREEMPT_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "1024",
+                "--max-num-seqs", "32", "--num-gpu-blocks-override", "64"]
+
+
 @pytest.fixture(scope="module")
 def small_pool_server():
-    """The probe's server: the README's int4 config, ``--max-model-len 1024 --max-num-seqs 32`` and a pool of 64
-    pages (about five requests' worth at their peak), so 24 concurrent requests preempt each other."""
-    model = default_model()
-    port = _free_port()
-    env = dict(os.environ, VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache"),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"qsinkkv-vllm-preempt-{port}.log", "w")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
-               "--max-model-len", "1024", "--max-num-seqs", "32", "--num-gpu-blocks-override", "64",
-               "--additional-config", json.dumps({"qsinkkv": PREEMPT_CONFIG})]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        start = time.monotonic()
-        while True:
-            assert proc.poll() is None, f"vllm serve exited with {proc.returncode}; see {log.name}"
-            try:
-                if _get(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() - start < 300, f"vllm serve did not come up in 300 s; see {log.name}"
-            time.sleep(2)
-        yield {"port": port, "model": model, "proc": proc, "log": log.name}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    with serving(PREEMPT_ARGS, PREEMPT_CONFIG, "preempt") as running:
+        yield running
 
 
 def _complete(port: int, model: str, i: int) -> dict:

@@ -11,6 +11,10 @@ each over those slots and only the chunk keys the tile can see:
   through ``scaled_dot_product_attention`` with the visible set as a boolean mask, PyTorch's
   fused CPU kernel (``benchmarks/prefill.py`` times it).
 
+Both give a row the bits it gets alone, whatever the other rows of the batch bring: rows go in groups that
+read the same keys (``_by_key_set``: one chunk length, no padding), because these kernels' sums over the
+keys change with the key count, masked keys included.
+
 The Triton backend's is the flash-style kernel ``qsinkkv.kernels.prefill_attention`` (the same
 ``gather``, no score matrix; both position contracts).
 """
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import sink_window_attention
-from .layout import query_tiles, visible_mask
+from .layout import QUERY_TILE, query_tiles, visible_mask
 from .rope import Rotary
 from .storage import LayerStorage, gather
 
@@ -41,7 +45,7 @@ def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, layer: LayerSto
     cfg = layer.layout.config
     attend = functools.partial(sink_window_attention, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
                                scale=scale, rotary=rotary, sink_logits=sink_logits)
-    return _in_tiles(q, k, v, layer, lengths, attend)
+    return _by_key_set(q, k, v, layer, lengths, attend)
 
 
 def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, *,
@@ -49,49 +53,31 @@ def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage
     """``prefill_attention_reference`` (absolute contract) with each tile through PyTorch's fused
     ``scaled_dot_product_attention`` under the visible set as a boolean mask, in float32 (float64 for
     float64 inputs). Learned sink logits (an extra softmax term SDPA has no place for) take the
-    reference."""
+    reference.
+
+    Rows that hold nothing yet and bring at most S + W tokens (a new prompt) see every chunk key up to their own
+    (the window of query t, ``(t - W, t]``, reaches back past the sinks): the causal mask, SDPA's causal kernel
+    on their own tokens, nothing stored read. A step of ragged chunks costs the sum of its rows' work, not
+    B x T_max; rows go in groups of one chunk length (``_by_key_set``), so each gets the bits it gets alone."""
     if sink_logits is not None:
         return prefill_attention_reference(q, k, v, layer, lengths, scale=scale, sink_logits=sink_logits)
     cfg = layer.layout.config
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if q.shape[0] and q.shape[2] <= cfg.sink_tokens + cfg.recent_tokens and int(layer.seq_lens.max()) == 0:
-        return _fresh_causal(q, k, v, lengths, scale, work)
 
     def attend(q_t, k_t, v_t, q_pos, k_pos):
         seen = visible_mask(q_pos, k_pos, cfg.sink_tokens, cfg.recent_tokens).unsqueeze(1)  # [B, 1, t, N]
-        # a padding query may see nothing (SDPA then gives NaN): its row is zeroed at the end
         out = F.scaled_dot_product_attention(q_t.to(work), k_t.to(work), v_t.to(work), attn_mask=seen, scale=scale,
                                              enable_gqa=q_t.shape[1] != k_t.shape[1])
         return out.to(q_t.dtype)
-    return _in_tiles(q, k, v, layer, lengths, attend)
-
-
-def _fresh_causal(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float | None, work: torch.dtype) -> Tensor:
-    """A chunk into rows that hold nothing yet, no longer than S + W: every query sees all the chunk keys up to
-    its own (the window of query t, ``(t - W, t]``, reaches back past the sinks), so the visible set is the
-    causal mask and nothing stored is read. SDPA's causal kernel per row, on its real tokens only (a step of
-    ragged prompts costs the sum of their squares, not B x T_max^2; padding is never read); rows of one
-    length go in one call."""
-    B, _, T, _ = q.shape
-    sizes = lengths.tolist()
-    out = q.new_zeros(q.shape)
-
-    def attend(rows: slice, t: int) -> None:
-        out[rows, :, :t] = _causal(*(y[rows, :, :t] for y in (q, k, v)), scale, work)
-    if all(t == T for t in sizes):
-        attend(slice(0, B), T)
-    else:
-        for b, t in enumerate(sizes):
-            if t:
-                attend(slice(b, b + 1), t)
-    return out
+    return _by_key_set(q, k, v, layer, lengths, attend, fresh=lambda q, k, v: _causal(q, k, v, scale, work))
 
 
 def prefill_fresh_packed(q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], *,
                          scale: float | None = None) -> Tensor:
-    """``_fresh_causal`` on a packed step's tokens where they lie (``q [N, H, D]``, ``k, v [N, Hkv, D]``, row i's at
-    ``[starts[i], starts[i] + lens[i])``; every row holds nothing yet and brings at most S + W tokens): no padding,
-    no gather -> ``[sum(lens), H, D]`` in q's dtype, the rows' tokens in order."""
+    """``prefill_attention_torch``'s fresh rows (causal SDPA, row by row) on a packed step's tokens where they lie
+    (``q [N, H, D]``, ``k, v [N, Hkv, D]``, row i's at ``[starts[i], starts[i] + lens[i])``; every row holds nothing
+    yet and brings at most S + W tokens): no padding, no gather -> ``[sum(lens), H, D]`` in q's dtype, the rows'
+    tokens in order."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_empty((sum(lens), *q.shape[1:]))
     at = 0
@@ -108,25 +94,89 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, scale: float | None, work: torch.dt
                                           enable_gqa=q.shape[1] != k.shape[1]).to(q.dtype)
 
 
-def _in_tiles(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, attend) -> Tensor:
-    """The tiling both versions share: ``attend(q_tile, k, v, q_pos, k_pos)`` for each tile of queries
-    over the stored slots and the chunk keys it can see; padding rows zeroed."""
+def _by_key_set(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, lengths: Tensor, attend, fresh=None) -> Tensor:
+    """The rows of a chunk in groups that each read the keys its rows would read alone, so a row's output does
+    not depend on the other rows of its batch (a sequence gets the same bits pooled as alone): the rows of one
+    ``_key_set``, each group's chunk cut to its own length. SDPA's CPU kernel and the reference's softmax and
+    ``probs @ v`` reduce over the key axis, and a key masked out (a padding token of the chunk, a sink of
+    another row) still changes the length, hence the order, of those sums (by up to a few float32 ulps); the
+    batch size does not. ``fresh(q, k, v)`` (if given) runs a group whose rows hold nothing yet and bring at
+    most S + W tokens (the causal mask; nothing stored is read). Rows of no token, and padding, are zero: a
+    padding token is never read (a NaN there reaches no real row)."""
     B, _, T, _ = q.shape
     cfg = layer.layout.config
-    S, W = cfg.sink_tokens, cfg.recent_tokens
-    n0 = layer.seq_lens.to(q.device).unsqueeze(1)                                  # [B, 1]
-    t = torch.arange(T, device=q.device)
-    real = t < lengths.to(q.device).unsqueeze(1)                                   # [B, T]
-    q_pos = n0 + t
-    chunk_pos = torch.where(real, q_pos, -1)                                       # padding is never seen
-    if not bool(real.all()):  # nor read: a masked key still meets its value in p @ v, and 0 * NaN is NaN
-        pad = ~real.view(B, 1, T, 1)
-        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
-    stored_k, stored_v, stored_pos = gather(layer, k.dtype)
-    chunk_sinks = max(S - int(layer.seq_lens.min()), 0)   # chunk tokens that are some sequence's sinks
+    groups: dict[tuple[int, int, bool], list[int]] = {}
+    for b, (t, n0) in enumerate(zip(lengths.tolist(), layer.seq_lens.tolist())):
+        if t:
+            groups.setdefault(_key_set(cfg, n0, t, fresh is not None), []).append(b)
+    stored = None
+
+    def run(rows, q, k, v, is_fresh):
+        nonlocal stored
+        if is_fresh:
+            return fresh(q, k, v)
+        if stored is None:  # every stored slot dequantized once, for all the rows
+            stored = gather(layer, k.dtype)
+        every = len(rows) == B
+        n0 = layer.seq_lens if every else layer.seq_lens[torch.tensor(rows)]
+        return _in_tiles(q, k, v, n0, [x if every else _rows(x, rows) for x in stored], cfg, attend)
+    if len(groups) == 1:
+        (t, _, is_fresh), rows = next(iter(groups.items()))
+        if t == T and len(rows) == B:  # one key set and no padding (a step of equal chunks): the batch at once
+            return run(rows, q, k, v, is_fresh)
+    out = q.new_zeros(q.shape)
+    for (t, _, is_fresh), rows in groups.items():
+        got = run(rows, *(_rows(x, rows)[:, :, :t] for x in (q, k, v)), is_fresh)
+        if _one_run(rows):
+            out[rows[0]:rows[0] + len(rows), :, :t] = got
+        else:
+            out[torch.tensor(rows, device=out.device), :, :t] = got
+    return out
+
+
+def _key_set(cfg, n0: int, t: int, has_fresh: bool) -> tuple[int, int, bool]:
+    """What the keys of a row holding ``n0`` tokens and bringing ``t`` depend on, beside the stored slots (the
+    layout's, the same for every row): ``t``; its sinks among the chunk's tokens (``S - n0``) as far as a tile
+    past the first reads them (``query_tiles``: ``min(sinks, lo)``, lo largest in the last tile); whether it
+    runs ``fresh`` (as ``attend_split``'s ``_fresh`` decides for a packed step's rows)."""
+    last = (t - 1) // QUERY_TILE * QUERY_TILE
+    sinks = min(max(cfg.sink_tokens - n0, 0), max(last - cfg.recent_tokens + 1, 0))
+    return t, sinks, has_fresh and n0 == 0 and t <= cfg.sink_tokens + cfg.recent_tokens
+
+
+def _one_run(rows: list[int]) -> bool:
+    return rows == list(range(rows[0], rows[0] + len(rows)))
+
+
+def _rows(x: Tensor, rows: list[int]) -> Tensor:
+    """``x[rows]``: a view when the rows are one run, else a copy."""
+    if _one_run(rows):
+        return x.narrow(0, rows[0], len(rows))
+    return x.index_select(0, torch.tensor(rows, device=x.device))
+
+
+def _in_tiles(q: Tensor, k: Tensor, v: Tensor, n0: Tensor, stored: list[Tensor], cfg, attend) -> Tensor:
+    """The tiling both versions share, for rows that hold ``n0 [B]`` (host) tokens and each bring all T chunk
+    tokens (``_by_key_set`` cuts the padding off), over their stored slots ``stored`` (``gather``'s k, v, positions):
+    ``attend(q_tile, k, v, q_pos, k_pos)`` for each tile of queries over the stored slots and the chunk keys it
+    can see (k, v in the work precision: float32, float64 for float64 inputs)."""
+    T = q.shape[2]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    stored_k, stored_v, stored_pos = stored
+    q_pos = n0.to(q.device).unsqueeze(1) + torch.arange(T, device=q.device)                # [B, T]
+    chunk_sinks = max(cfg.sink_tokens - int(n0.min()), 0)   # chunk tokens that are some row's sinks
     out = torch.empty_like(q)
-    for t0, t1, idx in query_tiles(T, chunk_sinks, W, q.device):  # a tile reads at most S + W + QUERY_TILE chunk keys
-        out[:, :, t0:t1] = attend(
-            q[:, :, t0:t1], torch.cat((stored_k, k[:, :, idx]), dim=2), torch.cat((stored_v, v[:, :, idx]), dim=2),
-            q_pos[:, t0:t1], torch.cat((stored_pos, chunk_pos[:, idx]), dim=1))
-    return out.masked_fill(~real.view(B, 1, T, 1), 0)
+    for t0, t1, idx in query_tiles(T, chunk_sinks, cfg.recent_tokens, q.device):  # a tile reads at most
+        keys = (k, v, q_pos) if t1 - t0 == T else (k[:, :, idx], v[:, :, idx], q_pos[:, idx])  # S + W + QUERY_TILE
+        out[:, :, t0:t1] = attend(q[:, :, t0:t1], _join(stored_k, keys[0], work), _join(stored_v, keys[1], work),
+                                  q_pos[:, t0:t1], torch.cat((stored_pos, keys[2]), dim=1))
+    return out
+
+
+def _join(stored: Tensor, chunk: Tensor, dtype: torch.dtype) -> Tensor:
+    """``torch.cat((stored, chunk), dim=2).to(dtype)`` in one pass."""
+    n = stored.shape[2]
+    out = stored.new_empty((*stored.shape[:2], n + chunk.shape[2], stored.shape[3]), dtype=dtype)
+    out[:, :, :n] = stored
+    out[:, :, n:] = chunk
+    return out

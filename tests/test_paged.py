@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from oracle import attention_oracle, bf16_exact, stored_history
 
 from qsinkkv import CacheConfig, Rotary, SinkQuantCache, gather
+from qsinkkv.layout import WindowLayout
 from qsinkkv.paged import PagedCache, PoolExhausted, block_bytes, sequence_bytes
 
 HKV, G, D = 2, 2, 8
@@ -303,3 +304,78 @@ def test_a_pool_larger_than_the_device_is_named(pool_bytes):
     cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
     with pytest.raises(ValueError, match=r"pool_bytes=\d+ is more than cpu has \(\d+ bytes\)"):
         PagedCache.for_bytes(cfg, 1, HKV, D, pool_bytes)
+
+
+# --- pooled = alone, bit for bit (the probe's defect: a chunk padded to its neighbours' lengths) ---------
+
+# Row lengths per step (0: the row waits); rows join as the steps name more of them. Rows of one length
+# that differ in what they hold (a fresh row beside a held one, step 4), rows past the sinks and the window,
+# decode rows beside prefill rows, a step of equal chunks, and chunks of two query tiles (T > 256) into rows
+# holding fewer and more than S tokens (each reads the chunk's sinks its own way, step 7).
+POOLED_STEPS = [[5, 9, 2], [1, 6, 13], [11, 1, 0], [9, 2, 1, 9], [20, 7, 1, 16], [0, 0, 0, 0, 1],
+                [0, 0, 260, 0, 260], [4, 4, 4, 4, 4], [1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("bits,R", [(16, 0), (8, 0), (4, 0), (4, 3)], ids=["bits16", "int8", "int4", "int4-residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("backend", ["torch", "c"])
+def test_chunk_steps_pooled_equal_each_sequence_alone_bit_for_bit(backend, dtype, bits, R, packed):
+    """Every row of a pooled step (padded ``attend`` or packed ``attend_packed``) equals, bit for bit, the same
+    sequence run alone through the same steps in a pool of its own. Before, the prefill padded every longer row
+    to the step's longest chunk (and read the chunk's sinks of the row holding the fewest tokens): masked keys
+    that still lengthen SDPA's sums over the keys, up to 2.4e-7 apart from the row alone in float32."""
+    pooled_equals_alone(CacheConfig(sink_tokens=3, recent_tokens=12, bits=bits, block_size=4, value_group_size=4,
+                                    residual_tokens=R), backend, dtype, packed)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("rope,logits", [(True, False), (False, True), (True, True)],
+                         ids=["cache_index", "sink_logits", "cache_index-sink_logits"])
+def test_reference_prefill_pooled_equals_alone_bit_for_bit(rope, logits, packed):
+    """The same through the reference prefill and decode (the cache_index contract, learned sink logits): the
+    reference's softmax and ``probs @ v`` sum over the keys too."""
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=12, bits=4, block_size=4, value_group_size=4, residual_tokens=3,
+                      positions="cache_index" if rope else "absolute")
+    logits = torch.randn(HKV * G, generator=torch.Generator().manual_seed(1)) if logits else None
+    pooled_equals_alone(cfg, "torch", torch.float32, packed, rotary=ROT if rope else None, sink_logits=logits)
+
+
+def pooled_equals_alone(cfg, backend, dtype, packed, rotary=None, sink_logits=None):
+    """``POOLED_STEPS`` through one pool and through each sequence's own pool: every output row equal, bit for
+    bit. The pools start full of random finite values: a read of another sequence's blocks would show."""
+    fs, qs = WindowLayout(cfg).float_slots, WindowLayout(cfg).quant_slots
+    n = len(POOLED_STEPS[-1])
+    make = lambda seqs: PagedCache(cfg, 1, HKV, D, max_seqs=seqs, float_blocks=seqs * fs,  # noqa: E731
+                                   quant_blocks=seqs * qs, dtype=dtype, backend=backend, rotary=rotary)
+    pool, alone = make(n), [make(1) for _ in range(n)]
+    g = torch.Generator().manual_seed(cfg.bits + cfg.residual_tokens)
+    for cache in (pool, *alone):
+        for t in cache.layers[0].tensors().values():
+            t.copy_(torch.randint(0, 256, t.shape, generator=g) if t.dtype == torch.uint8 else
+                    torch.randn(t.shape, generator=g))
+    for lens in POOLED_STEPS:
+        while pool.batch_size < len(lens):
+            pool.admit(), alone[pool.batch_size - 1].admit()
+        B, T = len(lens), max(lens)
+        q, k, v = (torch.randn(B, h, T, D, generator=g).to(dtype) for h in (HKV * G, HKV, HKV))
+        if packed:
+            real = torch.arange(T) < torch.tensor(lens).unsqueeze(1)
+            qsl = [0, *torch.tensor(lens).cumsum(0).tolist()]
+            out = pool.attend_packed(0, *(x.transpose(1, 2)[real] for x in (q, k, v)), qsl, sink_logits=sink_logits)
+            rows = [out[qsl[b]:qsl[b + 1]] for b in range(B)]
+        else:
+            out = pool.attend(0, q, k, v, lens, sink_logits=sink_logits)
+            rows = [out[b, :, :t].transpose(0, 1) for b, t in enumerate(lens)]
+        for b, t in enumerate(lens):
+            if t == 0:
+                continue
+            if packed:
+                own = alone[b].attend_packed(0, *(x[b, :, :t].transpose(0, 1) for x in (q, k, v)), [0, t],
+                                             sink_logits=sink_logits)
+            else:
+                own = alone[b].attend(0, *(x[b:b + 1, :, :t] for x in (q, k, v)), sink_logits=sink_logits)
+                own = own[0].transpose(0, 1)
+            assert torch.equal(rows[b], own), \
+                f"step {lens}, row {b}: max diff {(rows[b].double() - own.double()).abs().max().item():.3g}"
+    assert pool.seq_lens().tolist() == [a.seq_length for a in alone]

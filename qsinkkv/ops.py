@@ -42,7 +42,7 @@ DECODE_VARIANTS = ("dequantize", "folded", "fp16")
 @dataclass(frozen=True)
 class Ops:
     backend: str          # "torch", "c" or "triton"
-    quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels
+    quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels.api
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
     writer: write.Writer = write.WRITER_TORCH  # how the write's blocks and rows are written

@@ -1,6 +1,6 @@
 """LayerStorage: one layer's KV storage as a plain record, the thing every op reads.
 
-The ops (``write``, ``decode``, ``prefill``, ``qsinkkv.kernels``) take this record and never the
+The ops (``write``, ``decode``, ``prefill``, the Triton kernels of ``qsinkkv.kernels``) take this record and never the
 cache. Which recent token sits in which ring slot is ``layout.py``'s business; this record says
 where each slot of each sequence lives: in a *block* of a pool, named by a block table (vLLM's
 paging). The pools are head-major, so that a sequence's blocks of one head are one batch of a

@@ -50,7 +50,7 @@ def append(storage: LayerStorage, k: Tensor, v: Tensor, lengths: list[int], quan
            writer: Writer | None = None) -> Undo:
     """Store ``k[b, :, :lengths[b]]`` (and v, ``[B, Hkv, T, D]``) after the ``seq_lens[b]`` tokens of every row b.
 
-    quantizer: ``qsinkkv.quant`` or ``qsinkkv.kernels`` (same functions, bit-identical codes).
+    quantizer: ``qsinkkv.quant`` or ``qsinkkv.kernels.api`` (same functions, bit-identical codes).
     Raises ValueError (storage unchanged) if a block's scale or zero overflows ``scale_dtype``."""
     B, H, T, D = k.shape
     tokens = [x[:, :, 0] if T == 1 else x.transpose(1, 2).reshape(B * T, H, D) for x in (k, v)]

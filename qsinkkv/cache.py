@@ -24,7 +24,6 @@ from .layout import WindowLayout
 from .ops import select_ops
 from .rope import Rotary
 from .step import Split, attend_split, scatter_packed, split_packed, split_padded
-from .storage import FLOAT_TENSORS, QUANT_TENSORS, SINK_TENSORS
 
 # float8 model dtypes have no isfinite (and no way to refuse a NaN): not accepted
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -121,12 +120,7 @@ class SinkQuantCache:
         taken = self.blocks.take_new() if self.blocks.grows else {}
         for layer in self.layers:
             layer.sink_table, layer.float_table, layer.quant_table = sink, floats, quants
-            for names, blocks in ((SINK_TENSORS, taken.get("sink")), (FLOAT_TENSORS, taken.get("float")),
-                                  (QUANT_TENSORS, taken.get("quant"))):
-                if blocks:
-                    index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-                    for name in names:
-                        getattr(layer, name).index_fill_(1, index, 0)
+            layer.zero_blocks(taken)
 
     def _keep_rows(self, rows: list[int]) -> None:
         """Keep sequences ``rows`` (in that order): a dense storage copies their blocks, a paged one keeps their

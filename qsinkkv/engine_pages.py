@@ -259,8 +259,10 @@ class EngineStep:
         self.decoding = bool((lens == 1).all()) and bool((held >= max(layout.sink_tokens, 1)).all())
         # the pages the step names, past which a layer's pool must reach (an int compare per layer)
         named = torch.cat([t.flatten() for t in tables])
-        checks.table("block_table", named, 1 << 62, "a pool (entries >= 0)", none_ok=False)
-        self.pages_named = 1 + (int(named.max()) if named.numel() else -1)
+        least, most = (int(x) for x in torch.aminmax(named)) if named.numel() else (0, -1)
+        if least < 0:  # (step_tables refuses these: tables made otherwise)
+            checks.table("block_table", named, 1 << 62, "a pool (entries >= 0)", none_ok=False)
+        self.pages_named = most + 1
         self._engine = None
         self.fused_layers = 0  # layers that ran fused (the others ran attend_packed)
 

@@ -34,10 +34,9 @@ from .cache import SinkQuantCache
 from .config import CacheConfig
 from .layout import WindowLayout
 from .rope import Rotary
-from .storage import FLOAT_TENSORS, QUANT_TENSORS, SINK_TENSORS, LayerStorage
+from .storage import KIND_TENSORS, LayerStorage
 
 __all__ = ["PagedCache", "PoolExhausted", "StepMetadata", "block_bytes", "sequence_bytes", "device_bytes"]
-_KIND_TENSORS = {"sink": SINK_TENSORS, "float": FLOAT_TENSORS, "quant": QUANT_TENSORS}
 
 
 class PagedCache(SinkQuantCache):
@@ -175,7 +174,7 @@ def block_bytes(config: CacheConfig, num_kv_heads: int, head_dim: int) -> dict[s
     allocation, on the meta device)."""
     one = LayerStorage.allocate_pool(WindowLayout(config), num_kv_heads, head_dim, torch.device("meta"),
                                      sink_pages=1, float_blocks=1, quant_blocks=1)
-    return {kind: sum(getattr(one, n).numel() * getattr(one, n).element_size() for n in _KIND_TENSORS[kind])
+    return {kind: sum(getattr(one, n).numel() * getattr(one, n).element_size() for n in KIND_TENSORS[kind])
             for kind in KINDS}
 
 

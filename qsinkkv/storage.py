@@ -47,6 +47,7 @@ STORAGE_TENSORS = ("sink_k", "sink_v", "float_k", "float_v", "key_codes", "key_s
 FLOAT_TENSORS = ("float_k", "float_v")
 QUANT_TENSORS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
 SINK_TENSORS = ("sink_k", "sink_v")
+KIND_TENSORS = {"sink": SINK_TENSORS, "float": FLOAT_TENSORS, "quant": QUANT_TENSORS}  # the pools of each block kind
 
 
 @dataclass(eq=False)
@@ -179,11 +180,18 @@ class LayerStorage:
         """Empty sequences ``rows``: length 0, and their blocks zeroed."""
         self.seq_lens[rows.cpu()] = 0
         rows = rows.to(self.device)
-        for names, table in ((SINK_TENSORS, self.sink_table[rows]), (FLOAT_TENSORS, self.float_table[rows]),
-                             (QUANT_TENSORS, self.quant_table[rows])):
-            blocks = table[table >= 0].unique()  # an engine's new rows name its null block many times
-            for name in names:
-                getattr(self, name).index_fill_(1, blocks, 0)
+        tables = {"sink": self.sink_table[rows], "float": self.float_table[rows], "quant": self.quant_table[rows]}
+        # (an engine's new rows name its null block many times)
+        self.zero_blocks({kind: table[table >= 0].unique() for kind, table in tables.items()})
+
+    def zero_blocks(self, blocks: dict[str, Tensor]) -> None:
+        """Zero blocks of the pools: ``blocks[kind]`` (kind "sink", "float" or "quant"; 1-D int64, on any device)
+        in every pool of that kind (``KIND_TENSORS``)."""
+        for kind, index in blocks.items():
+            index = torch.as_tensor(index, dtype=torch.int64).to(self.device)
+            if index.numel():
+                for name in KIND_TENSORS[kind]:
+                    getattr(self, name).index_fill_(1, index, 0)
 
 
 def _per_sequence(pool: Tensor, batch_size: int) -> Tensor:

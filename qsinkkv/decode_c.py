@@ -341,30 +341,13 @@ def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _A
                  sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table), **call)
 
 
-_TABLES_SEEN: dict = {}  # the tables last checked against their pools: (address, version, shape, blocks) of each
-
-
 def _check_tables(s: LayerStorage) -> None:
-    """Every table of ``s`` names blocks of its pools or -1: the C code reads and writes through them unchecked."""
-    _checked_tables((("sink_table", s.sink_table, s.sink_k.shape[1], "its pool (sink blocks)"),
-                     ("float_table", s.float_table, s.float_k.shape[1], "its pool (float blocks)"),
-                     ("quant_table", s.quant_table, s.key_codes.shape[1], "its pool (quant blocks)")))
-
-
-def _checked_tables(named: tuple) -> None:
-    """``checks.table`` for each ``(name, table, blocks, pool)``. A cache's tables change only when sequences come
-    and go (their version says), so a check is kept until then; an inference tensor (an engine's step, under
-    ``torch.inference_mode``) has no version and is checked at every call (a min/max over a step's small tables)."""
-    versioned = not any(t.is_inference() for _, t, _, _ in named)
-    key = tuple((t.data_ptr(), t._version, t.shape, blocks) for _, t, blocks, _ in named) if versioned else None
-    if key is not None and key in _TABLES_SEEN:
-        return
-    for name, t, blocks, pool in named:
-        checks.table(name, t, blocks, pool)
-    if key is not None:
-        if len(_TABLES_SEEN) >= 256:
-            _TABLES_SEEN.clear()
-        _TABLES_SEEN[key] = True
+    """Every table of ``s`` names blocks of its pools or -1: the C code reads and writes through them unchecked.
+    Checked at every call (no memo: a table rewritten in place, e.g. through numpy, keeps its version counter, and
+    a new table can take a freed one's address; the check is a few microseconds)."""
+    checks.table("sink_table", s.sink_table, s.sink_k.shape[1], "its pool (sink blocks)")
+    checks.table("float_table", s.float_table, s.float_k.shape[1], "its pool (float blocks)")
+    checks.table("quant_table", s.quant_table, s.key_codes.shape[1], "its pool (quant blocks)")
 
 
 _POOLS_SEEN: dict = {}  # (data_ptr, shape, stride) of every pool -> (pointers, strides): the last layers' pools
@@ -482,7 +465,7 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
     not ``D`` apart)."""
     if not _store_applies(pool_k, pool_v, table, k, v):
         return write.store_rows(pool_k, pool_v, table, k, v, at, seqs, ring_rows, rows_per_block)
-    _checked_tables((("table", table, min(pool_k.shape[1], pool_v.shape[1]), "pool_k and pool_v"),))
+    checks.table("table", table, min(pool_k.shape[1], pool_v.shape[1]), "pool_k and pool_v")
     keep = []
     s = _store_struct(pool_k, pool_v, table, k, v, [t.contiguous() for t in (at, seqs, ring_rows)], rows_per_block,
                       keep)

@@ -414,9 +414,23 @@ def test_tables_past_the_pool_are_refused_by_name_before_any_access():
     assert not pool_k.any() and not pool_v.any()
 
 
+def test_a_table_rewritten_in_place_without_a_new_version_is_checked_again():
+    """A write through numpy leaves a tensor's version counter as it was: a check memoized per version (as the C
+    entry points once kept one) would let the C decode read through a table naming a block past its pool."""
+    pool, draw = scattered_pool(4, "c")
+    layer = pool.layers[0]
+    q = draw(3, 1)[0][:, :, 0]
+    decode_c.decode_attention_c(q, layer)  # checked once, as it stands
+    version = layer.quant_table._version
+    layer.quant_table.numpy()[0, 0] = layer.key_codes.shape[1] + 999
+    assert layer.quant_table._version == version
+    with pytest.raises(ValueError, match=r"quant_table must name blocks of its pool"):
+        decode_c.decode_attention_c(q, layer)
+
+
 def test_tables_made_under_inference_mode_are_checked_too():
-    """An engine runs under ``torch.inference_mode``, whose tensors carry no version counter: the table check (kept
-    per version for a cache's tables) checks such tables at every call instead of failing on them."""
+    """An engine runs under ``torch.inference_mode``, whose tensors carry no version counter: the table check
+    serves such tables as well (it once kept a check per version and had to tell them apart)."""
     pool, draw = scattered_pool(4, "c")
     layer = pool.layers[0]
     q = draw(3, 1)[0][:, :, 0]

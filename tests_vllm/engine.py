@@ -3,6 +3,7 @@ line. Run in the vLLM venv, one engine per process (vLLM keeps per-process state
 selection caches), by the tests in this folder and by ``benchmarks/vllm_serve.py``.
 
     python tests_vllm/engine.py '{"prompts": [[1, 2, 3]], "max_tokens": 8, "qsinkkv": {...} | null, ...}'
+    python tests_vllm/engine.py @spec.json   # the same JSON in a file (a long spec)
 
 Keys: model (default: the embedded default model's safetensors folder), dtype ("float32"),
 prompts (token ids), max_tokens, max_model_len (1024), qsinkkv (CacheConfig fields, or null for stock
@@ -10,10 +11,13 @@ vLLM), llm (extra ``vllm.LLM`` keyword arguments), warmup (a short generate firs
 step (drive the engine step by step, in process, and record the real blocks each request holds),
 capture (with step, bits 8/4: a file to which the first attention layer's every forward is saved -- its
 packed q/k/v, query_start_loc, the tokens each row held, its sink page, and the output -- for a replay
-into ``PagedCache``).
+into ``PagedCache``),
+refusals (each prompt added to the engine on its own: one that vLLM refuses at ``add_request`` -- e.g. a prompt
+not shorter than max_model_len -- gets its message in ``refused`` and ``None`` in ``tokens``, the others run; without
+it ``LLM.generate`` raises for the whole batch).
 Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), block_size,
-held_blocks (per request: the most it held, and what it held at its end), or error (the message
-of the exception that stopped the engine).
+held_blocks (per request: the most it held, and what it held at its end), with refusals ``refused`` ({index:
+message}) and ``finish_reasons``, or error (the message of the exception that stopped the engine).
 """
 from __future__ import annotations
 
@@ -96,6 +100,21 @@ def run(spec: dict) -> dict:
         out["tokens"] = [tokens[r] for r in ids]
         out["held_blocks"] = {"most": [most[r] for r in ids], "at_end": [last[r] for r in ids]}
         out["free_blocks_after"] = manager.block_pool.get_num_free_blocks()
+    elif spec.get("refusals"):
+        engine, refused, done = llm.llm_engine, {}, {}
+        for i, p in enumerate(prompts):
+            try:
+                engine.add_request(f"r{i}", p, params)
+            except Exception as e:  # vLLM's own refusal, e.g. VLLMValidationError for a prompt over max_model_len
+                refused[str(i)] = f"{type(e).__name__}: {e}"
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0]
+        out["tokens"] = [list(done[f"r{i}"].token_ids) if f"r{i}" in done else None for i in range(len(prompts))]
+        out["finish_reasons"] = [done[f"r{i}"].finish_reason if f"r{i}" in done else None
+                                 for i in range(len(prompts))]
+        out["refused"] = refused
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
         out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
@@ -110,7 +129,7 @@ def run(spec: dict) -> dict:
     out["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
     if spec.get("step"):
         out["page_size_bytes"] = int(_manager(llm).kv_cache_spec.page_size_bytes)
-    out["tokens_per_s"] = sum(map(len, out["tokens"])) / out["seconds"]
+    out["tokens_per_s"] = sum(len(t) for t in out["tokens"] if t is not None) / out["seconds"]
     try:  # stop the engine core (and its worker) before this process goes
         llm.llm_engine.engine_core.shutdown()
     except Exception:
@@ -142,6 +161,10 @@ def _capture_first_layer(captured: list) -> None:
 
 
 if __name__ == "__main__":
-    result = run(json.loads(sys.argv[1]))
+    arg = sys.argv[1]  # the spec's JSON, or @FILE holding it (a long spec passes the command line's limit)
+    if arg.startswith("@"):
+        with open(arg[1:]) as f:
+            arg = f.read()
+    result = run(json.loads(arg))
     print("QSINKKV_RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # skip vLLM's slow interpreter teardown; the engine core process goes with its parent

@@ -19,6 +19,7 @@
  * code once, at 0.5 or 1 byte per element, in one call.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -814,6 +815,46 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
 }
 
 int64_t qsinkkv_complete_size(void) { return (int64_t)sizeof(Complete); }
+
+/* ---- the structs' layout, field by field: decode_c.py checks its ctypes mirror of each against these at load ---- */
+
+typedef struct { const char *name; int64_t offset, size, kind; } Field;
+/* kind: 'i' int64, 'f' float, 'a' the strides' int64[][2], 'p' any pointer (_Generic reads the declared type) */
+#define KIND(x) _Generic((x), int64_t: 'i', float: 'f', int64_t(*)[2]: 'a', default: 'p')
+#define FIELD(T, m) {#m, (int64_t)offsetof(T, m), (int64_t)sizeof(((T *)0)->m), KIND(((T *)0)->m)}
+static const Field ARGS_FIELDS[] = {
+    FIELD(Args, Hkv), FIELD(Args, B), FIELD(Args, G), FIELD(Args, D), FIELD(Args, S), FIELD(Args, bs),
+    FIELD(Args, quant_slots), FIELD(Args, float_slots), FIELD(Args, bits), FIELD(Args, groups),
+    FIELD(Args, float_rows), FIELD(Args, fr), FIELD(Args, sink_k), FIELD(Args, sink_v), FIELD(Args, float_k),
+    FIELD(Args, float_v), FIELD(Args, key_scale), FIELD(Args, key_zero), FIELD(Args, value_scale),
+    FIELD(Args, value_zero), FIELD(Args, key_codes), FIELD(Args, value_codes), FIELD(Args, sink_dtype),
+    FIELD(Args, window_dtype), FIELD(Args, scale_dtype), FIELD(Args, sink_table), FIELD(Args, float_table),
+    FIELD(Args, quant_table), FIELD(Args, q), FIELD(Args, bias), FIELD(Args, sink_logits), FIELD(Args, scale),
+    FIELD(Args, out), FIELD(Args, st), FIELD(Args, q_dtype), FIELD(Args, q_stride), FIELD(Args, out_dtype)};
+static const Field STORE_FIELDS[] = {
+    FIELD(Store, n), FIELD(Store, H), FIELD(Store, D), FIELD(Store, x_k), FIELD(Store, x_v), FIELD(Store, x_dtype),
+    FIELD(Store, x_stride), FIELD(Store, pool_k), FIELD(Store, pool_v), FIELD(Store, pool_dtype),
+    FIELD(Store, head_stride), FIELD(Store, block_stride), FIELD(Store, rows_per_block), FIELD(Store, table),
+    FIELD(Store, table_st0), FIELD(Store, table_st1), FIELD(Store, at), FIELD(Store, seqs), FIELD(Store, ring_rows)};
+static const Field COMPLETE_FIELDS[] = {
+    FIELD(Complete, n), FIELD(Complete, x_k), FIELD(Complete, x_v), FIELD(Complete, x_dtype),
+    FIELD(Complete, x_stride), FIELD(Complete, at), FIELD(Complete, seqs), FIELD(Complete, blocks),
+    FIELD(Complete, first_new), FIELD(Complete, float_rows)};
+#undef FIELD
+#undef KIND
+
+/* Field i of struct `which` (0 Args, 1 Store, 2 Complete): its name, with offset_size_kind = {offsetof, sizeof,
+ * kind}; NULL past the last field (or for an unknown struct). */
+const char *qsinkkv_field(int64_t which, int64_t i, int64_t *offset_size_kind) {
+    static const Field *const tables[] = {ARGS_FIELDS, STORE_FIELDS, COMPLETE_FIELDS};
+    static const int64_t counts[] = {sizeof ARGS_FIELDS / sizeof(Field), sizeof STORE_FIELDS / sizeof(Field),
+                                     sizeof COMPLETE_FIELDS / sizeof(Field)};
+    if (which < 0 || which > 2 || i < 0 || i >= counts[which]) return NULL;
+    offset_size_kind[0] = tables[which][i].offset;
+    offset_size_kind[1] = tables[which][i].size;
+    offset_size_kind[2] = tables[which][i].kind;
+    return tables[which][i].name;
+}
 
 /* ---- a whole decode step of one layer in an engine (every row one new token, past its sinks) ---- */
 

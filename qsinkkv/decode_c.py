@@ -160,8 +160,32 @@ def _open(lib: Path) -> ctypes.CDLL:
         getattr(dll, f"qsinkkv_{size}_size").restype = ctypes.c_int64
     if (dll.qsinkkv_args_size(), dll.qsinkkv_store_size(), dll.qsinkkv_complete_size()) != (
             ctypes.sizeof(_Args), ctypes.sizeof(_Store), ctypes.sizeof(_Complete)):
-        raise _StaleLibrary(f"{lib}: decode_c.c's structs and decode_c.py's disagree")
+        raise _StaleLibrary(f"{lib}: decode_c.c's structs and decode_c.py's disagree in size")
+    dll.qsinkkv_field.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    dll.qsinkkv_field.restype = ctypes.c_char_p
+    for which, struct in enumerate((_Args, _Store, _Complete)):
+        if _c_fields(dll, which) != _py_fields(struct):
+            raise _StaleLibrary(f"{lib}: decode_c.c's {struct.__name__[1:]} and decode_c.py's {struct.__name__} "
+                                f"disagree: C {_c_fields(dll, which)}, Python {_py_fields(struct)}")
     return dll
+
+
+def _c_fields(dll: ctypes.CDLL, which: int) -> list[tuple[str, int, int, str]]:
+    """(name, offset, size, kind) of every field of C struct ``which`` (0 Args, 1 Store, 2 Complete), in order;
+    kind: "i" int64, "f" float, "a" the strides' int64 array, "p" a pointer."""
+    out, offset_size_kind = [], (ctypes.c_int64 * 3)()
+    while (name := dll.qsinkkv_field(which, len(out), offset_size_kind)) is not None:
+        out.append((name.decode(), offset_size_kind[0], offset_size_kind[1], chr(offset_size_kind[2])))
+    return out
+
+
+_KINDS = {ctypes.c_int64: "i", ctypes.c_float: "f", ctypes.c_void_p: "p"}
+
+
+def _py_fields(struct: type[ctypes.Structure]) -> list[tuple[str, int, int, str]]:
+    """The same for a ctypes mirror: a swapped, missing or retyped field differs from the C side's list."""
+    return [(name, getattr(struct, name).offset, getattr(struct, name).size,
+             _KINDS.get(ctype, "a" if issubclass(ctype, ctypes.Array) else "?")) for name, ctype in struct._fields_]
 
 
 def _cpuinfo() -> list[str]:

@@ -2,6 +2,7 @@
 float64 oracle: every bits and dtype, ragged and paged batches, bit-identical rows alone and on
 any thread, and how the backend is chosen when C is not at hand. (Every layout of the kernel tests,
 beside the PyTorch CPU path: ``tests/test_decode.py::test_cpu_decode_matches_reference_and_rows_alone``.)"""
+import ctypes
 import os
 import subprocess
 import sys
@@ -292,6 +293,38 @@ def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path):
         lib.write_bytes(broken)
         run = subprocess.run(load, env=env, capture_output=True, text=True, check=True)
         assert "(True," in run.stdout and lib.stat().st_size == len(good), run.stdout + run.stderr
+
+
+def _mirror(struct, swap=None, retype=None):
+    """``struct``'s ctypes mirror with two fields swapped or one field's type changed (the same total size)."""
+    fields = list(struct._fields_)
+    if swap:
+        i, j = (next(n for n, (name, _) in enumerate(fields) if name == f) for f in swap)
+        fields[i], fields[j] = fields[j], fields[i]
+    if retype:
+        name, ctype = retype
+        fields = [(n, ctype if n == name else t) for n, t in fields]
+    return type(struct.__name__, (ctypes.Structure,), {"_fields_": fields})
+
+
+@pytest.mark.parametrize("struct,change", [
+    ("_Args", dict(swap=("B", "G"))),                        # two int64s: the same size, the struct loads
+    ("_Args", dict(swap=("sink_table", "float_table"))),      # two pointers
+    ("_Store", dict(swap=("table_st0", "table_st1"))),
+    ("_Complete", dict(swap=("seqs", "blocks"))),
+    ("_Store", dict(retype=("x_dtype", ctypes.c_void_p))),    # an int64 read as a pointer (same size on 64-bit)
+], ids=["args-ints", "args-tables", "store-strides", "complete-pointers", "store-retyped"])
+def test_every_field_of_the_c_structs_is_checked_at_load(monkeypatch, struct, change):
+    """The ctypes mirrors of decode_c.c's structs are compared field by field (name, offset, size) with the
+    library's own table (``qsinkkv_field``) when it is opened: a mirror with two same-sized fields swapped had the
+    same ``sizeof``, which was all that was checked, and would have passed one field's value as the other."""
+    lib = decode_c._lib._name if decode_c._lib is not None else decode_c._load()._name
+    decode_c._open(lib)  # as it stands: every field agrees
+    mirror = _mirror(getattr(decode_c, struct), **change)
+    assert ctypes.sizeof(mirror) == ctypes.sizeof(getattr(decode_c, struct))
+    monkeypatch.setattr(decode_c, struct, mirror)
+    with pytest.raises(decode_c._StaleLibrary, match=f"decode_c.c's {struct[1:]} and decode_c.py's {struct} disagree"):
+        decode_c._open(lib)
 
 
 @pytest.mark.parametrize("cc", ["cc -O2", "env cc"])

@@ -266,13 +266,27 @@ def plot_stream(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _panels(plt, n: int):
+    """(figure, axes [rows, cols]) for ``n`` panels, two a row."""
+    cols = min(n, 2)
+    rows = (n + cols - 1) // cols
+    return plt.subplots(rows, cols, figsize=(8 * cols, 4.8 * rows), squeeze=False)
+
+
+def _save_panels(fig, axes, n: int, path: Path) -> None:
+    """The first ``n`` panels drawn, the rest blank; written to ``path``."""
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
+
 def plot_memory(r: dict, path: Path) -> None:
     """Perplexity against position at equal memory: one panel per budget."""
     plt = _plt()
     n = len(r["budgets"])
-    cols = min(n, 2)
-    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(8 * cols, 4.8 * ((n + cols - 1) // cols)),
-                             squeeze=False)
+    fig, axes = _panels(plt, n)
     for ax, b in zip(axes.flat, r["budgets"]):
         for c in r["positions"]:
             ls = "-" if c == r["positions"][0] else "--"
@@ -287,11 +301,7 @@ def plot_memory(r: dict, path: Path) -> None:
                title=f"at the memory of {b['text']} ({b['bytes'] / 1e6:.2f} MB); after fill from "
                      f"{r['after_fill_from']:,} (dotted)")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_panels(fig, axes, n, path)
 
 
 def plot_memory_curve(r: dict, path: Path) -> None:
@@ -501,9 +511,7 @@ def plot_recall(r: dict, path: Path) -> None:
     budgets, a last panel: the farthest recall against bytes (the memory curve)."""
     plt = _plt()
     n = len(r["budgets"]) + (len(r["budgets"]) > 1)
-    cols = min(n, 2)
-    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(8 * cols, 4.8 * ((n + cols - 1) // cols)),
-                             squeeze=False)
+    fig, axes = _panels(plt, n)
     ds = r["distances"]
     for ax, b in zip(axes.flat, r["budgets"]):
         ax.plot(ds, [c["accuracy"] for c in r["full"]["by_distance"]], "-o", color="k", lw=1, label="full cache")
@@ -526,11 +534,7 @@ def plot_recall(r: dict, path: Path) -> None:
         ax.set(xlabel="allocated KV bytes per sequence (MB, all layers)", ylabel="farthest recall (tokens)",
                title=f"farthest distance answered >= {r['match']:.0%} as often as the full cache (0: none)")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_panels(fig, axes, n, path)
 
 
 MARKDOWN = dict(kv=kv_markdown, ppl=ppl_markdown, stream=stream_markdown, calibrate=calibrate_markdown,

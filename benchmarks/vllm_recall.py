@@ -63,33 +63,13 @@ from common import save_json, table_header
 from vllm_serve import ENGINE, model_shape
 
 from qsinkkv.engine_pages import PageLayout, max_pages, pages_needed
-from qsinkkv.eval import passkey, recall
+from qsinkkv.eval import footprint, memory, passkey, recall
 from qsinkkv.eval.data import default_text
 from qsinkkv.integrations.vllm.config import parse_config
 from qsinkkv.layout import WindowLayout, cdiv
 
-ELEM = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 ROOT = Path(__file__).resolve().parent.parent
 FULL, STOCK, PLUGIN = "stock vLLM, full memory", "stock vLLM at the budget", "qsinkkv int4 at the budget"
-
-
-def parse_budget(text: str) -> tuple[str, int]:
-    """``DTYPE:N`` -> (dtype, N); argparse ``type``."""
-    dtype, colon, n = text.strip().partition(":")
-    if not colon or dtype.lower() not in ELEM or not n.strip().isdigit() or int(n) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected DTYPE:N with DTYPE one of {sorted(ELEM)} and N >= 1 "
-                                         "(e.g. bf16:256)")
-    return dtype.lower(), int(n)
-
-
-def parse_distances(text: str) -> list[int]:
-    try:
-        out = sorted({int(x) for x in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected N[,N...] (e.g. 128,256,512)") from None
-    if out[0] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a distance must be >= 1 token")
-    return out
 
 
 def plugin_plan(budget: int, S: int, bs: int, chunk: int, shape: tuple) -> dict:
@@ -179,11 +159,11 @@ def git_state() -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--memory-of", type=parse_budget, default=None, metavar="DTYPE:N",
+    size.add_argument("--memory-of", type=memory.parse_memory_of, default=None, metavar="DTYPE:N",
                       help="the budget per request: the bytes of a DTYPE cache of N tokens, K and V, all layers "
                            "(default bf16:256)")
     size.add_argument("--budget-tokens", type=int, default=None, metavar="N", help="= --memory-of bf16:N")
-    ap.add_argument("--distances", type=parse_distances, default=None, metavar="N[,N...]",
+    ap.add_argument("--distances", type=recall.parse_distances, default=None, metavar="N[,N...]",
                     help="tokens from the key's first token to the end of the prompt (default: the plugin's capacity "
                          f"times {', '.join(f'{f:g}' for f in recall.DISTANCE_FACTORS)}, as the eval's)")
     ap.add_argument("--trials", type=int, default=20, help="prompts per distance (default 20)")
@@ -205,8 +185,10 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write every number here")
     args = ap.parse_args(argv)
     if args.budget_tokens is not None:
-        args.memory_of = ("bf16", args.budget_tokens)
-    args.memory_of = args.memory_of or ("bf16", 256)
+        args.memory_of = memory.parse_memory_of(f"bf16:{args.budget_tokens}")
+    args.memory_of = args.memory_of or memory.parse_memory_of("bf16:256")
+    if len(args.memory_of) != 1:
+        ap.error(f"--memory-of takes one budget, got {memory.text_of(args.memory_of)}")
     if min(args.trials, args.max_num_seqs, args.block, args.chunk, args.stock_block_size, args.jobs) < 1 or \
             args.sink_tokens < 0:
         ap.error("--trials, --max-num-seqs, --block, --chunk, --stock-block-size and --jobs must be >= 1, "
@@ -222,8 +204,8 @@ def main(argv=None) -> None:
         shape = (c["num_hidden_layers"], c["num_key_value_heads"],
                  c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
     L, Hkv, D = shape
-    bdtype, btokens = args.memory_of
-    budget = 2 * L * Hkv * btokens * D * ELEM[bdtype]
+    budget_of, = args.memory_of
+    budget = budget_of.nbytes(footprint.Geometry(L, Hkv, D))  # the eval's: K and V of N tokens, all layers
     try:
         plan = plugin_plan(budget, args.sink_tokens, args.block, args.chunk, shape)
     except ValueError as e:
@@ -241,7 +223,7 @@ def main(argv=None) -> None:
     stop = stop_ids(model_dir, tok)
     A = passkey.ANSWER_TOKENS
     longest = max(map(len, ids))
-    per_token = 2 * Hkv * D * ELEM[args.dtype]  # stock's bytes per token per layer, in the model's dtype
+    per_token = 2 * Hkv * D * memory.DTYPES[args.dtype].itemsize  # stock: bytes per token and layer
 
     # every engine's spec before any runs (the stock engines' block size is given: they may run at once)
     N, sbs = args.max_num_seqs, args.stock_block_size
@@ -269,9 +251,9 @@ def main(argv=None) -> None:
     }
 
     result = dict(command=" ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-                  config=dict(vars(args), memory_of=f"{bdtype}:{btokens}"), versions=versions(), git=git_state(),
+                  config=dict(vars(args), memory_of=budget_of.text), versions=versions(), git=git_state(),
                   model=str(model_dir), shape=dict(layers=L, kv_heads=Hkv, head_dim=D),
-                  budget=dict(text=f"{bdtype}:{btokens}", bytes=budget), plugin_plan=plan, distances=distances,
+                  budget=dict(text=budget_of.text, bytes=budget), plugin_plan=plan, distances=distances,
                   trials=args.trials, seed=args.seed, answer_tokens=A, lead_tokens=passkey.LEAD_TOKENS,
                   haystack_chars=recall.HAYSTACK_CHARS, haystack_tokens=len(haystack), stop_tokens=sorted(stop),
                   prompts={str(d): dict(tokens=len(todo[d][0].ids), keys=[p.key for p in todo[d]],
@@ -334,7 +316,7 @@ def main(argv=None) -> None:
     print(f"vLLM pass-key recall, {args.trials} trials per distance (seed {args.seed}), greedy {A} tokens, "
           f"{model_dir.name} ({L} layers, {Hkv} KV heads, head_dim {D}), {args.dtype}, enforce_eager, "
           f"max_num_seqs {N}; "
-          f"budget {bdtype}:{btokens} = {budget:,} B of KV per request")
+          f"budget {budget_of.text} = {budget:,} B of KV per request")
     table_header(["engine", "capacity (tokens)", "KV bytes / request"] + [f"d={d}" for d in distances]
                  + ["farthest"], left=1)
     caps = {FULL: f"whole prompt (<= {longest + A - 1})", STOCK: f"{stock_tokens} ({stock_blocks} x {sbs})",

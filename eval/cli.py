@@ -112,20 +112,6 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _distances(text: str) -> list[int]:
-    """argparse ``type`` of recall's ``--distances``: ``N[,N...]`` -> ascending, each once."""
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item.lstrip("+-").isdigit():
-            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not a whole number of tokens; expected "
-                                             "N[,N...] (e.g. 128,256,512)")
-        if int(item) < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: a distance must be >= 1 token, got {int(item)}")
-        out.append(int(item))
-    return sorted(set(out))
-
-
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -137,9 +123,9 @@ def _positive(text: str) -> int:
 
 
 def _recall(p: argparse.ArgumentParser) -> None:
-    from .recall import DISTANCE_FACTORS, SCHEME_NAMES
+    from .recall import DISTANCE_FACTORS, SCHEME_NAMES, parse_distances
     factors = ", ".join(f"{f:g}" for f in DISTANCE_FACTORS)
-    p.add_argument("--distances", type=_distances, default=None, metavar="N[,N...]",
+    p.add_argument("--distances", type=parse_distances, default=None, metavar="N[,N...]",
                    help="tokens from the key's first token to the end of the prompt (default: the largest "
                         f"capacity of the run times {factors})")
     p.add_argument("--trials", type=_positive, default=20, help="prompts per distance, each a fresh key and a fresh "
@@ -182,15 +168,7 @@ def _check_recall(args) -> None:
     still before any model work: ``run``)."""
     if args.sink_tokens < 0:
         raise UsageError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
-    if args.capacity is not None:
-        if args.capacity <= args.sink_tokens:
-            raise UsageError(f"--capacity ({args.capacity}) must be larger than --sink-tokens ({args.sink_tokens})")
-        args.recent_tokens = args.capacity - args.sink_tokens
-    if args.recent_tokens is not None and args.recent_tokens < 1:
-        raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
-    if args.memory_of is not None and args.recent_tokens is not None:
-        given = "--capacity" if args.capacity is not None else "--recent-tokens"
-        raise UsageError(f"--memory-of sets every row's capacity from the budget: drop {given}")
+    _check_window(args)
     if args.memory_of is None and args.recent_tokens is None:
         from .memory import parse_memory_of
         args.memory_of = parse_memory_of("bf16:256")
@@ -207,18 +185,10 @@ def _check_sizes(args) -> None:
             raise UsageError(f"--bits must be 8 and/or 4, got {b}")
     if not 0 <= args.sink_tokens < args.tokens:
         raise UsageError(f"--sink-tokens must be >= 0 and < --tokens ({args.tokens}), got {args.sink_tokens}")
-    if args.capacity is not None and args.command != "tune":  # tune: the grid's sinks (_check_grid)
-        if args.capacity <= args.sink_tokens:
-            raise UsageError(f"--capacity ({args.capacity}) must be larger than --sink-tokens ({args.sink_tokens})")
-        args.recent_tokens = args.capacity - args.sink_tokens
-    if args.recent_tokens is not None and args.recent_tokens < 1:
-        raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
+    _check_window(args)
     if args.command in ("stream", "report") and args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
     memory_of = getattr(args, "memory_of", None)
-    if memory_of is not None and args.recent_tokens is not None:
-        given = "--capacity" if args.capacity is not None else "--recent-tokens"
-        raise UsageError(f"--memory-of sets every scheme's capacity from the budget: drop {given}")
     if args.command in ("stream", "report"):  # the stream part's length and window, fixed here for run()
         args.stream_recent = args.recent_tokens if args.recent_tokens is not None else STREAM_RECENT
         args.stream_tokens = args.tokens if args.command == "stream" else 4 * args.tokens
@@ -244,6 +214,20 @@ def _check_sizes(args) -> None:
             bits = "the --grid bits" if args.command == "frontier" else "--bits"
             raise UsageError(f"--schemes {name} is not measured at {bits} {' '.join(map(str, args.bits))}"
                              + (" (bf16 is the reference and always included)" if scheme.bits == 16 else ""))
+
+
+def _check_window(args) -> None:
+    """--capacity (it sets ``args.recent_tokens``), --recent-tokens, and --memory-of, which sizes every scheme
+    itself."""
+    if args.capacity is not None and args.command != "tune":  # tune: the grid's sinks (_check_grid)
+        if args.capacity <= args.sink_tokens:
+            raise UsageError(f"--capacity ({args.capacity}) must be larger than --sink-tokens ({args.sink_tokens})")
+        args.recent_tokens = args.capacity - args.sink_tokens
+    if args.recent_tokens is not None and args.recent_tokens < 1:
+        raise UsageError(f"--recent-tokens must be >= 1, got {args.recent_tokens}")
+    if getattr(args, "memory_of", None) is not None and args.recent_tokens is not None:
+        given = "--capacity" if args.capacity is not None else "--recent-tokens"
+        raise UsageError(f"--memory-of sets every scheme's capacity from the budget: drop {given}")
 
 
 def _check_io(args) -> None:
@@ -391,11 +375,11 @@ def _recall_run(args, model, tok) -> dict:
                          f"than the model's {context:,} positions")
     haystack = tok(args.text_content[:recall.HAYSTACK_CHARS], add_special_tokens=False)["input_ids"]
     try:
-        recall.prompts(tok, haystack, distances, 1, args.seed)
+        todo = recall.prompts(tok, haystack, distances, args.trials, args.seed)
     except ValueError as e:
         what = "--text" if "text" in str(e) else flag
         raise UsageError(f"{what}: {e}") from None
-    out = recall.run(model, tok, haystack, plans, distances, args.trials, args.seed, args.positions)
+    out = recall.run(model, tok, todo, plans, args.seed, args.positions)
     return dict(out, memory_of=args.memory_of and memory.text_of(args.memory_of), sink_tokens=args.sink_tokens)
 
 

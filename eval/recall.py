@@ -24,6 +24,7 @@ configuration remembers what the model itself can. Against bytes, over budgets, 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
@@ -85,6 +86,21 @@ def plan(geo: footprint.Geometry, sink_tokens: int, names: list[str], budgets: l
     return out
 
 
+def parse_distances(text: str) -> list[int]:
+    """argparse ``type`` of ``--distances`` (the eval's and ``benchmarks/vllm_recall.py``'s): ``N[,N...]`` ->
+    ascending, each once."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.lstrip("+-").isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not a whole number of tokens; expected "
+                                             "N[,N...] (e.g. 128,256,512)")
+        if int(item) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: a distance must be >= 1 token, got {int(item)}")
+        out.append(int(item))
+    return sorted(set(out))
+
+
 def default_distances(plans: list[dict]) -> list[int]:
     largest = max(r.capacity for p in plans for r in p["rows"])
     return sorted({max(1, round(f * largest)) for f in DISTANCE_FACTORS})
@@ -121,26 +137,26 @@ def stop_tokens(model, tokenizer) -> set[int]:
     return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
-def run(model, tokenizer, haystack: list[int], plans: list[dict], distances: list[int], trials: int, seed: int,
-        positions: str = "absolute") -> dict:
-    """Every row of every plan and the full cache on the same prompts (module doc). A row at a capacity another
-    budget also gives runs once."""
+def run(model, tokenizer, todo: dict, plans: list[dict], seed: int, positions: str = "absolute") -> dict:
+    """Every row of every plan and the full cache on the same prompts ``todo`` (``prompts``: built before this,
+    with ``seed``; module doc). A row at a capacity another budget also gives runs once."""
     from qsinkkv.hf import QSinkKVCache  # registers attn_implementation="qsinkkv"
 
     geo = footprint.Geometry.of(model)
-    todo = prompts(tokenizer, haystack, distances, trials, seed)
+    distances = list(todo)
+    trials = len(todo[distances[0]])
     stop = stop_tokens(model, tokenizer)
     unique = list(dict.fromkeys(r for p in plans for r in p["rows"]))
     runs = [None, *unique]  # None: the full cache
     answers: dict = {}
+    attention = None
     steps = bar([(r, d, p) for r in runs for d in distances for p in todo[d]], "recall")
     for row, d, prompt in steps:
-        if row is None:
-            model.set_attn_implementation("sdpa")
-            cache = None
-        else:
-            model.set_attn_implementation("qsinkkv")
-            cache = QSinkKVCache(row.cache_config(positions), model)
+        wanted = "sdpa" if row is None else "qsinkkv"
+        if wanted != attention:  # once per row (the rows run one after another)
+            model.set_attn_implementation(wanted)
+            attention = wanted
+        cache = None if row is None else QSinkKVCache(row.cache_config(positions), model)
         text = tokenizer.decode(greedy(model, prompt.ids, cache, passkey.ANSWER_TOKENS, stop))
         answers.setdefault((row, d), []).append(dict(key=prompt.key, answer=text,
                                                      correct=passkey.correct(text, prompt.key)))

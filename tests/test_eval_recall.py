@@ -152,8 +152,8 @@ def test_rows_at_equal_memory_are_the_largest_fits():
     (["--trials", "many"], "argument --trials: expected a whole number >= 1, got 'many'"),
     (["--schemes", "int3"], "argument --schemes: invalid choice: 'int3'"),
     (["--memory-of", "bf16:x"], "argument --memory-of: 'bf16:x': 'x' is not a whole number"),
-    (["--memory-of", "bf16:256", "--capacity", "300"], "--memory-of sets every row's capacity from the budget: drop "
-                                                       "--capacity"),
+    (["--memory-of", "bf16:256", "--capacity", "300"], "--memory-of sets every scheme's capacity from the budget: "
+                                                       "drop --capacity"),
     (["--capacity", "4"], "--capacity (4) must be larger than --sink-tokens (4)"),
     (["--recent-tokens", "0"], "--recent-tokens must be >= 1, got 0"),
     (["--sink-tokens", "-1"], "--sink-tokens must be >= 0, got -1"),

@@ -1,7 +1,7 @@
 """Offline codegen check of the Triton decode and prefill kernels for the H200 (sm_90a), no GPU needed.
 
     python benchmarks/kernel_sass.py [--dims 128 64] [--bits 16 8 4] [--decode-variant folded] [--warps 4]
-                                     [--sass-dir out/sass]
+                                     [--pages] [--sass-dir out/sass]
 
 Compiles ``_decode_kernel`` for ``GPUTarget("cuda", 90, 32)`` on this machine (Triton ships
 ptxas and cuobjdump), then reads the cubin: registers, stack (spill) bytes, and the SASS of the
@@ -11,6 +11,8 @@ it, and how many of its loads are asynchronous copies (LDGSTS: the pipeliner pre
 blocks; 0 means each iteration waits for its own loads; per loop in address order: the sinks', the
 main one and, for int8/int4, the float blocks'), per decode variant (int8/int4: ``--decode-variant``,
 default all of them; see kernels/decode_attention.py), calls in the main loop (a division routine, say),
+the pools' strides as a launch passes them (the cache's own head-major pools, or ``--pages``: an engine's pages,
+the float ring in pages of ``float_block_rows`` rows; strides that are multiples of 16 marked so, as the JIT does),
 and shared memory per program: a launch that needs more than the GPU has (227 KB on an H200: the CUDA
 C++ Programming Guide's limit for compute capability 9.0) retries with fewer stages (kernels/launch.py);
 ``--block``/``--dims``/``--stages`` show where that starts (benchmarks/results/cpu-2026-12-01g/kernel_sass_d256.md).
@@ -50,8 +52,10 @@ _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _COPY = re.compile(r"\bLDGSTS\b")  # an asynchronous global-to-shared copy (cp.async)
 
 
-def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, variant: str):
-    """variant: a decode variant (``VARIANTS`` of kernels/decode_attention.py); bits 16 has one body."""
+def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, variant: str,
+                   pages: bool = False):
+    """variant: a decode variant (``VARIANTS`` of kernels/decode_attention.py); bits 16 has one body. pages: the
+    pools of an engine's pages (``PageLayout``) instead of the cache's own head-major pools."""
     mod = importlib.import_module("qsinkkv.kernels.decode_attention")
     f = "*bf16"
     sig = dict(q_ptr=f, sink_k_ptr=f, sink_v_ptr=f, float_k_ptr=f, float_v_ptr=f, key_codes_ptr="*u8",
@@ -59,12 +63,38 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
                value_zero_ptr="*fp16", sink_table_ptr="*i64", float_table_ptr="*i64", quant_table_ptr="*i64",
                seq_lens_ptr="*i64", inv_freq_ptr="*fp32", part_acc_ptr="*fp32",
                part_ml_ptr="*fp32", qk_scale="fp32", H_KV="i32", G="i32", S="i32", W="i32", R="i32",
-               NQ="i32", FS="i32", SINK_PAGES="i32", FLOAT_BLOCKS="i32", QUANT_BLOCKS="i32", BLOCKS_PER_SPLIT="i32")
+               NQ="i32", FS="i32", NF="i32", F_ROWS="i32", BLOCKS_PER_SPLIT="i32",
+               SINK_PAGES="i32", FLOAT_BLOCKS="i32", QUANT_BLOCKS="i32")
     from qsinkkv import CacheConfig
     cfg = CacheConfig(sink_tokens=4, recent_tokens=4092, bits=bits, block_size=block, value_group_size=group)
+    layer = meta_pools(cfg, head_dim, pages)
+    names = mod._decode_kernel.arg_names  # the pools' (head, block) strides: the ints between these two
+    strides = dict(zip(names[names.index("QUANT_BLOCKS") + 1:names.index("D")], mod.pool_strides(layer)))
+    sig.update({name: "i32" for name in strides})
     const = mod.decode_constexprs(cfg, head_dim, group_heads=4, splits=4, rope=False, interpret=False,
-                                  variant=variant)
-    return compile_sm90a(mod._decode_kernel, sig, const, dict(num_warps=warps, num_stages=stages))
+                                  variant=variant, float_block_rows=layer.float_k.shape[2],
+                                  contiguous=all(t.is_contiguous() for t in layer.tensors().values()))
+    # the JIT marks an int argument that is a multiple of 16 as such (tt.divisibility): the strides a launch
+    # on these pools passes, which is what lets the compiler prove a block's rows aligned (vector loads)
+    return compile_sm90a(mod._decode_kernel, sig, const, dict(num_warps=warps, num_stages=stages),
+                         divisible=[name for name, v in strides.items() if v % 16 == 0])
+
+
+def meta_pools(cfg, head_dim: int, pages: bool, kv_heads: int = 8):
+    """One layer's pools as a launch passes them, on the meta device (shapes and strides, no memory): the cache's
+    own head-major pools of 4 sequences, or an engine's 1024 pages (``PageLayout.views``: blocks a page apart,
+    the float ring in pages of ``float_block_rows`` rows)."""
+    import torch
+
+    from qsinkkv import LayerStorage, WindowLayout
+    if not pages:
+        return LayerStorage.allocate(WindowLayout(cfg), 4, kv_heads, head_dim, torch.device("meta"))
+    from qsinkkv.engine_pages import PageLayout
+    pl = PageLayout.of(cfg, kv_heads, head_dim)
+    views = pl.views(torch.empty(1024, pl.page_bytes, dtype=torch.uint8, device="meta"))
+    table = lambda n: torch.zeros(1, n, dtype=torch.int64)  # noqa: E731
+    return LayerStorage(pl.layout, **views, sink_table=table(1)[:, 0], float_table=table(pl.float_pages),
+                        quant_table=table(pl.layout.quant_slots), seq_lens=table(1)[:, 0], dense=False)
 
 
 def compile_prefill(head_dim: int, dtype: str, block_m: int, block_n: int, rope: bool):
@@ -189,16 +219,23 @@ def main():
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--decode-variant", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="int8/int4: the decode variants to compile (default: all)")
+    ap.add_argument("--pages", action="store_true",
+                    help="compile for an engine's pages (engine_pages.PageLayout; bits 8 and 4 only) instead of the "
+                         "cache's own head-major pools")
     ap.add_argument("--sass-dir", help="also write each kernel's SASS here")
     a = ap.parse_args()
+    if a.pages:  # a page holds quantized blocks: bits 16 keeps the engine's own pages
+        a.bits = [b for b in a.bits if b != 16]
+    pools = "an engine's pages" if a.pages else "head-major pools"
     print(f"# _decode_kernel for sm_90a (triton {triton.__version__}), block {a.block}, group {a.group}, "
-          f"{a.warps} warps, {a.stages} stages; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
+          f"{a.warps} warps, {a.stages} stages, {pools}; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
     print("| D | bits | variant | regs | stack (spill) bytes | shared KB | loop instr | path instr | LDL+STL in path "
           "| LDGSTS in path | LDGSTS per loop | calls in loop | KV bytes/iter | warp-instr/byte |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     variants = lambda bits: a.decode_variant if bits != 16 else ["-"]  # noqa: E731
     for D, bits, variant in [(D, b, v) for D in a.dims for b in a.bits for v in variants(b)]:
-        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, "dequantize" if variant == "-" else variant)
+        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, "dequantize" if variant == "-" else variant,
+                           a.pages)
         regs, stack = resources(k.asm["cubin"])
         sass = cuobjdump(k.asm["cubin"], "-sass")
         if a.sass_dir:

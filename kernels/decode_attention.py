@@ -16,6 +16,12 @@ RoPE's ``rotate_half`` pairs, so the ``cache_index`` contract rotates a dequanti
 its local index with no shuffles, and it is how int4 is packed (byte j: channel j in the low
 nibble, j + D/2 in the high one), so a row's bytes give both halves with a mask and a shift.
 
+Every pool is read through its own (head, block) strides, each block's own dims contiguous (``pool_strides``):
+the cache's own head-major pools, views of them, or an engine's pages (``qsinkkv/engine_pages.py``: every pool a
+strided view of one uint8 page tensor). The float ring comes in blocks of ``float_k.shape[2]`` rows,
+``float_table.shape[1]`` a sequence (the pools' own blocks of ``block_size`` rows, or an engine's pages of
+``float_block_rows``), read as ``storage.py`` says: ring row r is row ``r % fr`` of block ``float_table[b, r // fr]``.
+
 The reference is ``qsinkkv.decode.decode_attention_reference``: ``qsinkkv.storage.gather``
 plus ``qsinkkv.attention.sink_window_attention`` on the same ``LayerStorage``.
 """
@@ -29,10 +35,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from qsinkkv import trace
 from qsinkkv.decode import decode_attention_reference  # noqa: F401  (the kernel's reference)
 from qsinkkv.kernels.launch import launch
 from qsinkkv.rope import Rotary
-from qsinkkv.storage import LayerStorage
+from qsinkkv.storage import STORAGE_TENSORS, LayerStorage
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # How the kernel reads a quantized block, one ``@triton.jit`` helper each, chosen per call
@@ -170,10 +177,25 @@ def _ring(first, i, size):
     return tl.where(j >= size, j - size, j)
 
 
+@triton.jit
+def _at(h, blk, st_h, st_b, blocks, BLOCK, CONTIGUOUS: tl.constexpr):
+    """The offset (elements) of block ``blk`` (a scalar, or a tensor of them) of kv head ``h`` (int64) in a pool
+    ``[Hkv, blocks, ...]``: through the pool's (head, block) strides ``st_h``, ``st_b``; in a contiguous pool
+    (``CONTIGUOUS``: the cache's own pools) from ``h * blocks + blk``, the index every pool of a kind shares, times
+    the block's size ``BLOCK`` (a constant but for the sinks). Why: per-pool head offsets are loop-invariant, so
+    the compiler keeps one live per pool across the block loops, which cost registers and 64-bit multiplies per
+    block in the head-major case (benchmarks/kernel_sass.py); the shared index costs one add."""
+    if CONTIGUOUS:
+        return (h * blocks + blk) * BLOCK
+    else:
+        return h * st_h + blk * st_b
+
+
 # --- one quantized block into the running state: the three decode variants -----------------------
 # Each reads the block's codes (``key_block``/``value_block``: its first byte), its per-channel key
 # stats ``ks``/``kz [DH]`` (loaded by the caller, shared by all three) and its per-token value stats
-# (``stats [T]``: offsets of group 0), and returns the new (max, sum, acc_lo, acc_hi).
+# (``value_scales``/``value_zeros [T]``: pointers to each token's group 0), and returns the new (max, sum,
+# acc_lo, acc_hi).
 
 @triton.jit
 def _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, k_idx, inv_freq, DC, DH,
@@ -193,8 +215,8 @@ def _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t,
 
 
 @triton.jit
-def _block_dequantize(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
-                      value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, k_idx, inv_freq,
+def _block_dequantize(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
+                      value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, k_idx, inv_freq,
                       DC, DH, BITS: tl.constexpr, GROUP: tl.constexpr, ROPE: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     """Variant "dequantize" (any value group): keys and values ``codes * scale + zero`` per element into
@@ -204,12 +226,12 @@ def _block_dequantize(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block,
     k_lo, k_hi, v_lo, v_hi = _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok,
                                                    k_idx, inv_freq, DC, DH, BITS, ROPE)
     st_mask = t_ok[:, None] & c_ok[None, :]
-    grp_lo = stats[:, None] + c[None, :] // GROUP
-    grp_hi = stats[:, None] + (DH + c[None, :]) // GROUP
-    v_lo = (v_lo * tl.load(value_scale_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
-            + tl.load(value_zero_ptr + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
-    v_hi = (v_hi * tl.load(value_scale_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
-            + tl.load(value_zero_ptr + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
+    grp_lo = c[None, :] // GROUP
+    grp_hi = (DH + c[None, :]) // GROUP
+    v_lo = (v_lo * tl.load(value_scales[:, None] + grp_lo, mask=st_mask, other=0.0).to(tl.float32)
+            + tl.load(value_zeros[:, None] + grp_lo, mask=st_mask, other=0.0).to(tl.float32))
+    v_hi = (v_hi * tl.load(value_scales[:, None] + grp_hi, mask=st_mask, other=0.0).to(tl.float32)
+            + tl.load(value_zeros[:, None] + grp_hi, mask=st_mask, other=0.0).to(tl.float32))
     # codes of stale tokens are real data, but keep masked rows at exactly zero
     v_lo = tl.where(kv_mask, v_lo, 0.0)
     v_hi = tl.where(kv_mask, v_hi, 0.0)
@@ -218,24 +240,24 @@ def _block_dequantize(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block,
 
 
 @triton.jit
-def _value_stats(value_scale_ptr, value_zero_ptr, stats, ok, GROUP_HI):
+def _value_stats(value_scales, value_zeros, ok, GROUP_HI):
     """Per-token value scales and zeros ``[T]`` of the two halves, each in one value group
     (``GROUP_HI``: the group of the second half)."""
-    vs_lo = tl.load(value_scale_ptr + stats, mask=ok, other=0.0).to(tl.float32)
-    vz_lo = tl.load(value_zero_ptr + stats, mask=ok, other=0.0).to(tl.float32)
-    vs_hi = tl.load(value_scale_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
-    vz_hi = tl.load(value_zero_ptr + stats + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+    vs_lo = tl.load(value_scales, mask=ok, other=0.0).to(tl.float32)
+    vz_lo = tl.load(value_zeros, mask=ok, other=0.0).to(tl.float32)
+    vs_hi = tl.load(value_scales + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
+    vz_hi = tl.load(value_zeros + GROUP_HI, mask=ok, other=0.0).to(tl.float32)
     return vs_lo, vz_lo, vs_hi, vz_hi
 
 
 @triton.jit
-def _block_folded(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
-                  value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, k_idx, inv_freq,
+def _block_folded(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
+                  value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, k_idx, inv_freq,
                   DC, DH, BITS: tl.constexpr, GROUP_HI, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Variant "folded" (each half of the channels in one value group): keys dequantized as in
     ``_block_dequantize``, values read straight from the codes, their per-token scale and zero folded
     into the probabilities (``_online_update_codes``): no ``[T, DH]`` value-scale tile."""
-    vs_lo, vz_lo, vs_hi, vz_hi = _value_stats(value_scale_ptr, value_zero_ptr, stats, ok, GROUP_HI)
+    vs_lo, vz_lo, vs_hi, vz_hi = _value_stats(value_scales, value_zeros, ok, GROUP_HI)
     k_lo, k_hi, v_lo, v_hi = _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok,
                                                    k_idx, inv_freq, DC, DH, BITS, ROPE)
     return _online_update_codes(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i,
@@ -243,13 +265,13 @@ def _block_folded(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, val
 
 
 @triton.jit
-def _block_fp16(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
-                value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS: tl.constexpr,
+def _block_fp16(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
+                value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS: tl.constexpr,
                 GROUP_HI):
     """Variant "fp16" (each half in one value group; the absolute contract: a key turning by its own
     index does not fold): every scale folded out, codes as fp16 tensor-core operands
     (``_online_update_fp16``); the key zero enters as ``q . z_k`` per query row."""
-    vs_lo, vz_lo, vs_hi, vz_hi = _value_stats(value_scale_ptr, value_zero_ptr, stats, ok, GROUP_HI)
+    vs_lo, vz_lo, vs_hi, vz_hi = _value_stats(value_scales, value_zeros, ok, GROUP_HI)
     ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, tl.float16)
     qz = tl.sum(q_lo * kz_lo[None, :], axis=1) + tl.sum(q_hi * kz_hi[None, :], axis=1)
     cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, tl.float16)
@@ -262,10 +284,14 @@ def _decode_kernel(
     q_ptr, sink_k_ptr, sink_v_ptr, float_k_ptr, float_v_ptr,
     key_codes_ptr, key_scale_ptr, key_zero_ptr, value_codes_ptr, value_scale_ptr, value_zero_ptr,
     sink_table_ptr, float_table_ptr, quant_table_ptr, seq_lens_ptr, inv_freq_ptr, part_acc_ptr, part_ml_ptr,
-    qk_scale, H_KV, G, S, W, R, NQ, FS, SINK_PAGES, FLOAT_BLOCKS, QUANT_BLOCKS, BLOCKS_PER_SPLIT,
+    qk_scale, H_KV, G, S, W, R, NQ, FS, NF, F_ROWS, BLOCKS_PER_SPLIT, SINK_PAGES, FLOAT_BLOCKS, QUANT_BLOCKS,
+    # (head, block) strides in elements of each pool, in STORAGE_TENSORS' order (a block's own dims are contiguous)
+    sk_h, sk_b, sv_h, sv_b, fk_h, fk_b, fv_h, fv_b, kc_h, kc_b, ks_h, ks_b, kz_h, kz_b, vc_h, vc_b, vs_h, vs_b,
+    vz_h, vz_b,
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
     ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, VARIANT: tl.constexpr, GROUP_HI: tl.constexpr,
+    FR: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -302,15 +328,18 @@ def _decode_kernel(
 
     # --- segment 1: sinks (split 0) ---
     if split == 0:
+        page = tl.load(sink_table_ptr + b)
+        sink_k = sink_k_ptr + _at(h, page, sk_h, sk_b, SINK_PAGES, S * D, CONTIGUOUS)  # its sink page: S rows of D
+        sink_v = sink_v_ptr + _at(h, page, sv_h, sv_b, SINK_PAGES, S * D, CONTIGUOUS)
         for s0 in range(0, n_sinks, BLOCK_S):
             j = s0 + tl.arange(0, BLOCK_S)
             ok = j < n_sinks
-            rows = ((h * SINK_PAGES + tl.load(sink_table_ptr + b)) * S + j) * D
+            offs = j[:, None] * D + c[None, :]
             kv_mask = ok[:, None] & c_ok[None, :]
-            k_lo = tl.load(sink_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            k_hi = tl.load(sink_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v_lo = tl.load(sink_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v_hi = tl.load(sink_v_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k_lo = tl.load(sink_k + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            k_hi = tl.load(sink_k + DH + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v_lo = tl.load(sink_v + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v_hi = tl.load(sink_v + DH + offs, mask=kv_mask, other=0.0).to(tl.float32)
             if ROPE:
                 k_lo, k_hi = _rotate(k_lo, k_hi, j, inv_freq)
             m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
@@ -319,6 +348,8 @@ def _decode_kernel(
     # --- segment 2: this split's run of recent blocks: its quantized blocks, then its float ones ---
     # Two loops, each without a branch in its body: Triton's pipeliner turns a loop's tile loads
     # into asynchronous copies several blocks ahead (num_stages) only when no branch guards them.
+    # Every pool is read through its own (head, block) strides: a block's base is one scalar per pool and
+    # block, its rows offsets from it (contiguous rows: vector loads, no per-element 64-bit address math).
     t = tl.arange(0, BLOCK_T)
     t_ok = t < BS
     blk0 = blk_lo + split * BLOCKS_PER_SPLIT
@@ -334,40 +365,61 @@ def _decode_kernel(
             blk = blk0 + i  # int64 like seq_lens (a loop over [blk0, f0) would count in int32 in the interpreter)
             r = blk * BS + t
             ok = t_ok & (r >= r_lo)  # a quantized block lies wholly before m
-            slot = h * QUANT_BLOCKS + tl.load(quant_table_ptr + b * NQ + _ring(ring0, i, NQ))  # the slot's block
-            key_block = key_codes_ptr + slot * (BS * DC)     # scalar bases: one address computation per block
-            value_block = value_codes_ptr + slot * (BS * DC)
-            stats = slot * (BS * NG) + t * NG                # the block's per-token value stats, group 0
-            ks_lo = tl.load(key_scale_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-            ks_hi = tl.load(key_scale_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-            kz_lo = tl.load(key_zero_ptr + slot * D + c, mask=c_ok, other=0.0).to(tl.float32)
-            kz_hi = tl.load(key_zero_ptr + slot * D + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+            slot = tl.load(quant_table_ptr + b * NQ + _ring(ring0, i, NQ))  # the slot's block (int64)
+            # scalar bases: one address per pool and block
+            key_block = key_codes_ptr + _at(h, slot, kc_h, kc_b, QUANT_BLOCKS, BS * DC, CONTIGUOUS)
+            value_block = value_codes_ptr + _at(h, slot, vc_h, vc_b, QUANT_BLOCKS, BS * DC, CONTIGUOUS)
+            # (per-token pointers, not offsets from a block base: loop-invariant offset tiles would stay live in
+            # registers across the loop, ~40 more in the head-major case: benchmarks/kernel_sass.py)
+            value_scales = value_scale_ptr + (_at(h, slot, vs_h, vs_b, QUANT_BLOCKS, BS * NG, CONTIGUOUS) + t * NG)
+            value_zeros = value_zero_ptr + (_at(h, slot, vz_h, vz_b, QUANT_BLOCKS, BS * NG, CONTIGUOUS) + t * NG)
+            key_scale = key_scale_ptr + _at(h, slot, ks_h, ks_b, QUANT_BLOCKS, D, CONTIGUOUS)
+            key_zero = key_zero_ptr + _at(h, slot, kz_h, kz_b, QUANT_BLOCKS, D, CONTIGUOUS)
+            ks_lo = tl.load(key_scale + c, mask=c_ok, other=0.0).to(tl.float32)
+            ks_hi = tl.load(key_scale + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+            kz_lo = tl.load(key_zero + c, mask=c_ok, other=0.0).to(tl.float32)
+            kz_hi = tl.load(key_zero + DH + c, mask=c_ok, other=0.0).to(tl.float32)
             if VARIANT == "fp16":
                 m_i, l_i, acc_lo, acc_hi = _block_fp16(
-                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
-                    value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS, GROUP_HI)
+                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
+                    value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS, GROUP_HI)
             elif VARIANT == "folded":
                 m_i, l_i, acc_lo, acc_hi = _block_folded(
-                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
-                    value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo, inv_freq,
-                    DC, DH, BITS, GROUP_HI, ROPE, DOT_PRECISION)
+                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
+                    value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo,
+                    inv_freq, DC, DH, BITS, GROUP_HI, ROPE, DOT_PRECISION)
             else:
                 m_i, l_i, acc_lo, acc_hi = _block_dequantize(
-                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scale_ptr,
-                    value_zero_ptr, stats, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo, inv_freq,
-                    DC, DH, BITS, GROUP, ROPE, DOT_PRECISION)
-    ring0 = (f0 % FS).to(tl.int32)
+                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
+                    value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo,
+                    inv_freq, DC, DH, BITS, GROUP, ROPE, DOT_PRECISION)
+    # The float ring: F_ROWS rows in blocks of FR rows, NF a sequence; ring row j is row j % FR of block
+    # float_table[b, j // FR] (qsinkkv/storage.py), and recent token r sits in ring row r % F_ROWS (layout.py).
+    if FR == BS:  # (compile time) a window block is one ring block (the pools' own, or one page): a scalar base
+        ring0 = (f0 % FS).to(tl.int32)
+    else:  # an engine's pages of FR rows need not line up with the window's blocks: each row finds its page
+        ring0 = ((f0 * BS) % F_ROWS).to(tl.int32)  # the ring row of the split's first float token
     for i in range(0, blk1 - f0):
         blk = f0 + i
         r = blk * BS + t
         ok = t_ok & (r >= r_lo) & (r < m)
         kv_mask = ok[:, None] & c_ok[None, :]
-        fblk = tl.load(float_table_ptr + b * FS + _ring(ring0, i, FS))  # the float-ring slot's block
-        rows = ((h * FLOAT_BLOCKS + fblk) * BS + t) * D
-        k_lo = tl.load(float_k_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        k_hi = tl.load(float_k_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v_lo = tl.load(float_v_ptr + rows[:, None] + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v_hi = tl.load(float_v_ptr + rows[:, None] + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        if FR == BS:
+            fblk = tl.load(float_table_ptr + b * NF + _ring(ring0, i, FS))  # the float-ring slot's block
+            k_rows = float_k_ptr + _at(h, fblk, fk_h, fk_b, FLOAT_BLOCKS, FR * D, CONTIGUOUS) + (t * D)[:, None]
+            v_rows = float_v_ptr + _at(h, fblk, fv_h, fv_b, FLOAT_BLOCKS, FR * D, CONTIGUOUS) + (t * D)[:, None]
+        else:
+            # a split's float rows span at most the ring (layout.py's float_slots), so i * BS + t < F_ROWS
+            j = ring0 + i * BS + t
+            j = tl.where(j >= F_ROWS, j - F_ROWS, j)
+            fblk = tl.load(float_table_ptr + b * NF + j // FR, mask=ok, other=0)  # each row's block
+            k_rows = float_k_ptr + _at(h, fblk, fk_h, fk_b, FLOAT_BLOCKS, FR * D, CONTIGUOUS) + (j % FR) * D
+            v_rows = float_v_ptr + _at(h, fblk, fv_h, fv_b, FLOAT_BLOCKS, FR * D, CONTIGUOUS) + (j % FR) * D
+            k_rows, v_rows = k_rows[:, None], v_rows[:, None]
+        k_lo = tl.load(k_rows + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k_hi = tl.load(k_rows + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v_lo = tl.load(v_rows + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v_hi = tl.load(v_rows + DH + c[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         if ROPE:
             k_lo, k_hi = _rotate(k_lo, k_hi, n_sinks + r - r_lo, inv_freq)
         m_i, l_i, acc_lo, acc_hi = _online_update(q_lo, q_hi, k_lo, k_hi, v_lo, v_hi, ok, m_i, l_i,
@@ -411,15 +463,22 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, sink_logits_ptr, out_ptr, H_KV, G, 
 
 
 def decode_constexprs(cfg, head_dim: int, group_heads: int, splits: int, *, rope: bool, interpret: bool,
-                      variant: str = "dequantize") -> dict:
-    """The compile-time arguments of ``_decode_kernel`` (shared with benchmarks/kernel_sass.py)."""
+                      variant: str = "dequantize", float_block_rows: int | None = None,
+                      contiguous: bool = True) -> dict:
+    """The compile-time arguments of ``_decode_kernel`` (shared with benchmarks/kernel_sass.py).
+    ``float_block_rows``: rows of the float pool's blocks (``float_k.shape[2]``), default ``block_size``;
+    ``contiguous``: every pool is contiguous (the cache's own pools), else read through its strides."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
     if variant == "fp16" and rope:  # keys turn by their own index under cache_index, which does not fold
         raise ValueError("variant='fp16' needs the absolute contract (rotary=None); use 'folded'")
     D = head_dim
-    # a value group holding a whole half: its scale and zero fold out of the per-element work
+    # a value group holding a whole half: its scale and zero fold out of the per-element work ("folded", "fp16");
+    # bits=16 has no quantized block: every variant is the float loop
     fold_v = cfg.bits != 16 and cfg.value_group_size % (D // 2) == 0
+    if variant != "dequantize" and cfg.bits != 16 and not fold_v:
+        raise ValueError(f"variant={variant!r} folds each value group's scale out of a half of the head: it needs "
+                         f"value_group_size a multiple of head_dim // 2 = {D // 2}, got {cfg.value_group_size}")
     return dict(
         D=D, BS=cfg.block_size, BITS=cfg.bits, GROUP=cfg.value_group_size if cfg.bits != 16 else 1, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group_heads)), BLOCK_DH=max(16, triton.next_power_of_2(D // 2)),
@@ -427,7 +486,26 @@ def decode_constexprs(cfg, head_dim: int, group_heads: int, splits: int, *, rope
         ROPE=rope, DOT_PRECISION="ieee" if interpret else "tf32",
         VARIANT=variant if fold_v else "dequantize",
         GROUP_HI=(D // 2) // cfg.value_group_size if cfg.bits != 16 else 0,
+        FR=cfg.block_size if float_block_rows is None else float_block_rows, CONTIGUOUS=contiguous,
     )
+
+
+def pool_strides(layer: LayerStorage) -> list[int]:
+    """The (head, block) strides in elements of every pool (``STORAGE_TENSORS`` order), as ``_decode_kernel``
+    takes them: any strides between heads and blocks (a pool's own layout, a slice of a bigger tensor, an
+    engine's pages), each block's own dims contiguous, which the kernel's row offsets assume (refused otherwise)."""
+    strides = []
+    for name in STORAGE_TENSORS:
+        pool = getattr(layer, name)
+        step = 1
+        for size, stride in zip(reversed(pool.shape[2:]), reversed(pool.stride()[2:])):  # innermost first
+            if size > 1 and stride != step and pool.numel():
+                raise ValueError(f"the Triton decode kernel reads {name} as [Hkv, blocks, ...] with each block "
+                                 f"contiguous (any head and block strides); got shape {tuple(pool.shape)}, "
+                                 f"strides {tuple(pool.stride())}")
+            step *= size
+        strides += [pool.stride(0), pool.stride(1)]
+    return strides
 
 
 def _num_splits(batch_kv_heads: int, max_blocks: int, device: torch.device) -> int:
@@ -444,7 +522,8 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
     """Attention of one new query per sequence over a layer's stored sinks + recent window.
 
     q:           ``[B, H, D]``, H a multiple of the layer's Hkv (query head h reads kv head h // (H/Hkv)).
-    layer:       a ``LayerStorage`` (contiguous tensors on q's device); sequence b holds
+    layer:       a ``LayerStorage`` on q's device, its pools of any (head, block) strides with each block's
+                 own dims contiguous (``pool_strides``; an engine's pages too); sequence b holds
                  ``layer.seq_lens[b]`` tokens and its query sits at position ``seq_lens[b] - 1``.
     scale:       softmax scale, default ``D ** -0.5``.
     rotary:      pass for the ``cache_index`` contract: q and the stored keys are pre-RoPE and are
@@ -465,10 +544,12 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         raise ValueError(f"q.device must be the cache device {layer.device}, got {q.device}")
     if D % 4:
         raise ValueError(f"the Triton decode kernel needs head_dim % 4 == 0, got head_dim={D}")
-    if layer.float_k.shape[2] != L.block_size or layer.float_table.shape[1] != L.float_slots:
-        raise ValueError(f"the Triton decode kernel reads float blocks of block_size={L.block_size} rows "
-                         f"({L.float_slots} a sequence); this storage's have {layer.float_k.shape[2]} rows "
-                         f"({layer.float_table.shape[1]} a sequence: an engine's pages); the C and torch ops read them")
+    fr, nf = layer.float_k.shape[2], layer.float_table.shape[1]
+    if fr < 1 or nf * fr < L.float_rows:
+        raise ValueError(f"the float ring's {L.float_rows} rows must fit its blocks: float_table has {nf} a "
+                         f"sequence, of float_k.shape[2]={fr} rows")
+    strides = pool_strides(layer)
+    trace.ran("decode", "triton")
     H = q.shape[1]
     G = H // Hkv
     if sink_logits is not None:
@@ -497,15 +578,16 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         (lambda *shape: torch.empty(shape, device=q.device, dtype=torch.float32))
     part_acc = alloc(B, Hkv, splits, G, D)
     part_ml = alloc(B, Hkv, splits, G, 2)
-    consts = decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET, variant=variant)
+    consts = decode_constexprs(cfg, D, G, splits, rope=rotary is not None, interpret=_INTERPRET, variant=variant,
+                               float_block_rows=fr, contiguous=all(t.is_contiguous() for t in layer.tensors().values()))
     launch(_decode_kernel, (B * Hkv, splits), (
         q.contiguous(), layer.sink_k, layer.sink_v, layer.float_k, layer.float_v,
         layer.key_codes, layer.key_scale, layer.key_zero, layer.value_codes, layer.value_scale, layer.value_zero,
         layer.sink_table.contiguous(), layer.float_table.contiguous(), layer.quant_table.contiguous(),
         seq_lens, inv_freq, part_acc, part_ml,
         qk_scale, Hkv, G, S, cfg.recent_tokens, L.unquantized_tokens, max(L.quant_slots, 1),
-        max(L.float_slots, 1), layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1],
-        triton.cdiv(max_blocks, splits),
+        max(L.float_slots, 1), max(nf, 1), max(L.float_rows, 1), triton.cdiv(max_blocks, splits),
+        layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1], *strides,
     ), consts, key=(q.device, q.dtype, cfg.sink_dtype, cfg.window_dtype, cfg.scale_dtype), stages=STAGES,
         name="decode", what=f"head_dim={D}, block_size={cfg.block_size}, bits={cfg.bits}",
         fix="use a smaller block_size, or backend='torch'")

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from qsinkkv import trace
 from qsinkkv.kernels.launch import launch
 from qsinkkv.prefill import prefill_attention_reference  # noqa: F401  (the kernel's reference)
 from qsinkkv.rope import Rotary
@@ -271,6 +272,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
     if triton.cdiv(T, block_m) > 65535:
         raise ValueError(f"a prefill chunk holds at most 65535 * block_m = {65535 * block_m} tokens, got T={T}: "
                          "split it into chunks")
+    trace.ran("prefill", "triton")
     stored_k, stored_v, stored_pos = gather(layer, q.dtype)     # [B, Hkv, N, D], [B, N]
     stored_pos = stored_pos.contiguous()
     if stored_k.stride(3) != 1 or stored_k.stride() != stored_v.stride():  # one set of strides for both

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from qsinkkv import trace
 from qsinkkv.quant import check_scales_fit, codes_per_byte, max_code
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -145,6 +146,7 @@ def quantize_key_blocks(k: Tensor, bits: int, scale_dtype: torch.dtype) -> tuple
     scale, zero ``[..., nblk, D]`` in ``scale_dtype`` (one per block and channel).
     Same signature and bits as ``qsinkkv.quant.quantize_key_blocks``."""
     _check("k", k, bits, scale_dtype)
+    trace.ran("quantize", "triton")
     if k.ndim < 2:
         raise ValueError(f"k must be [..., nblk, bs, D], got shape {tuple(k.shape)}")
     *lead, bs, D = k.shape
@@ -165,6 +167,7 @@ def quantize_values(v: Tensor, bits: int, group_size: int, scale_dtype: torch.dt
     """v ``[..., T, D]`` float -> packed codes ``[..., T, D/cpb]`` uint8 and scale, zero
     ``[..., T, D/group_size]`` in ``scale_dtype``. Same as ``qsinkkv.quant.quantize_values``."""
     _check("v", v, bits, scale_dtype)
+    trace.ran("quantize", "triton")
     D = v.shape[-1]
     if D % group_size:
         raise ValueError(f"group_size must divide D={D}, got {group_size}")

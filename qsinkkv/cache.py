@@ -84,7 +84,7 @@ class SinkQuantCache:
         self.device = torch.empty(0, device=device).device
         self.dtype = dtype
         self.rotary = rotary
-        self.ops = select_ops(backend, self.device, head_dim, rotary, decode_variant)
+        self.ops = select_ops(backend, self.device, head_dim, rotary, decode_variant, config=config, dtype=dtype)
         self.blocks = blocks  # which blocks each sequence holds: the tables of every layer (blocks.py)
         self.layers = [blocks.allocate(num_kv_heads, head_dim, self.device) for _ in range(num_layers)]
         if blocks.grows:

@@ -27,6 +27,7 @@ import threading
 import torch
 from torch import Tensor
 
+from . import trace
 from .attention import sink_window_attention
 from .rope import Rotary
 from .storage import LayerStorage, gather, gather_into
@@ -48,6 +49,7 @@ def decode_attention_torch(q: Tensor, layer: LayerStorage, *, scale: float | Non
     no key is repeated; in chunks of KV heads and sequences whose buffer holds about
     ``BUFFER_BYTES`` (at least one head of one sequence: its keys, then its values, in float32 --
     the transient memory of this path; the Triton kernel needs none)."""
+    trace.ran("decode", "torch")
     Hkv, B, D, N = layer.num_kv_heads, layer.batch_size, layer.head_dim, layer.layout.num_slots
     G = q.shape[1] // Hkv
     qh = q.float().view(B, Hkv, G, D).transpose(0, 1) * (D ** -0.5 if scale is None else scale)  # [Hkv, B, G, D]
@@ -100,6 +102,7 @@ def decode_attention_reference(q: Tensor, layer: LayerStorage, *, scale: float |
                                rotary: Rotary | None = None, sink_logits: Tensor | None = None) -> Tensor:
     """Dequantize every slot, then dense masked attention: ``q [B, H, D]`` -> ``[B, H, D]``.
     With ``rotary`` (the ``cache_index`` contract) q and the stored keys are pre-RoPE."""
+    trace.ran("decode", "reference")
     B = q.shape[0]
     k, v, k_pos = gather(layer, torch.float32)
     q_pos = (layer.seq_lens.to(q.device) - 1).view(B, 1)

@@ -26,14 +26,14 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from . import checks, quant, write
+from . import checks, quant, trace, write
 from .checks import window_bound
 from .models import cache_dir
+from .step import split_packed
 from .storage import LayerStorage
 
 _SOURCE = Path(__file__).with_name("decode_c.c")
@@ -221,10 +221,8 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     lies (dense or paged). Same contract as ``decode.decode_attention_torch``. The (KV head, sequence)
     units are split over up to ``torch.get_num_threads()`` threads (this one and a pool's), as many as
     get at least ``THREAD_WORK`` slot-channels each."""
-    if _lib is None:
-        ok, why = available()
-        if not ok:
-            raise RuntimeError(f"the C decode is not available: {why}")
+    _require_lib()
+    trace.ran("decode", "c")
     s = layer
     B, H, D = q.shape
     Hkv = s.num_kv_heads
@@ -257,8 +255,8 @@ def decode_blocks_c(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
 
 class BlocksDecode:
     """``decode_blocks_c`` for one engine step: the table and bias are the step's, checked once; ``run`` per layer
-    (that layer's pools, q and out). The first layer's C struct serves the later ones (their pools, q and out lie
-    the same way: only the pointers change), as ``EngineDecode`` does for the quantized pages."""
+    (that layer's pools, q and out). The first layer's C struct is the template of the later ones (their pools, q
+    and out lie the same way): its sizes, strides and dtypes are kept, every pointer is set afresh at each call."""
 
     def __init__(self, block_table: Tensor, bias: Tensor):
         self.table, self.bias = block_table.long().contiguous(), bias.contiguous()  # the struct points into them
@@ -268,13 +266,11 @@ class BlocksDecode:
         if bias.dtype != torch.float32 or bias.dim() != 2 or bias.shape[0] != self.B or bias.shape[1] % max(nb, 1):
             raise ValueError(f"bias must be float32 [B={self.B}, nb * bs] (nb={nb}), got bias {bias.dtype} "
                              f"{list(bias.shape)}, block_table {list(block_table.shape)}")
-        self._struct = None  # (how the first layer's tensors lay, its _Args)
+        self._template = None  # (how the first layer's tensors lay, its _Args)
 
     def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, *, scale: float, out: Tensor | None = None) -> Tensor:
-        if _lib is None:
-            ok, why = available()
-            if not ok:
-                raise RuntimeError(f"the C decode is not available: {why}")
+        _require_lib()
+        trace.ran("decode", "c")
         B, H, D = q.shape
         Hkv, _, bs, _ = k_pool.shape
         nb = self.table.shape[1]
@@ -289,33 +285,37 @@ class BlocksDecode:
                              f"and {v_pool.dtype}")
         if self.least < -1 or self.most >= k_pool.shape[1] or v_pool.shape[1] != k_pool.shape[1]:
             checks.table("block_table", self.table, min(k_pool.shape[1], v_pool.shape[1]), "k_pool and v_pool")
+        if any(t.device.type != "cpu" for t in (q, k_pool, v_pool)):
+            raise ValueError(f"the C decode reads CPU tensors, got q, k_pool and v_pool on {q.device}, "
+                             f"{k_pool.device} and {v_pool.device}")
         _check_out(out, q)
-        lies = (k_pool.shape, k_pool.stride(), v_pool.stride(), k_pool.dtype, v_pool.dtype, q.shape, q.stride(),
-                q.dtype, None if out is None else out.dtype, scale)
-        if self._struct is not None and self._struct[0] == lies:
-            a = self._struct[1]
-            out = torch.empty(B, H, D, dtype=q.dtype) if out is None else out
-            for name, t in zip(_POOLS, _blocks_pools(k_pool, v_pool)):
-                setattr(a, name, t.data_ptr())
-            a.q, a.out = q.data_ptr(), out.data_ptr()
-        else:
-            keep = []
-            k, v = (_blocks_contiguous(t, keep) for t in (k_pool, v_pool))
-            qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
-            out = torch.empty(B, H, D, dtype=qr.dtype) if out is None else out
-            pointers, strides = _pointers(_blocks_pools(k, v))
-            dt = _DTYPES[k.dtype]
-            table = self.table.data_ptr()
+        keep = []
+        k_read, v_read = (t if _blocks_contiguous(t) else t.contiguous() for t in (k_pool, v_pool))  # (one copy)
+        keep += [k_read, v_read]
+        pointers, strides, pools_lie = _pools(_blocks_pools(k_read, v_read), keep)
+        qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
+        out = torch.empty(B, H, D, dtype=qr.dtype) if out is None else out
+        lies = (pools_lie, qr.shape, q_stride, qr.dtype, out.dtype, scale)
+        if self._template is None or self._template[0] != lies:
+            dt = _DTYPES[k_pool.dtype]
             a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
-                      float_rows=nb * bs, fr=bs,
-                      **pointers, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt, sink_table=table,
-                      float_table=table, quant_table=table, q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype],
-                      q_stride=q_stride, bias=self.bias.data_ptr(), sink_logits=None, scale=scale,
-                      out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
-            # kept for the later layers only if the pools and q are read as they lie (no copy of this layer's)
-            self._struct = (lies, a) if not keep else None
+                      float_rows=nb * bs, fr=bs, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt,
+                      q_dtype=_DTYPES[qr.dtype], q_stride=q_stride, scale=scale, out_dtype=_DTYPES[out.dtype])
+            self._template = (lies, a)
+        a = self._template[1]
+        table = self.table.data_ptr()
+        _point(a, dict(pointers, sink_table=table, float_table=table, quant_table=table, q=qr.data_ptr(),
+                       bias=self.bias.data_ptr(), sink_logits=None, out=out.data_ptr()))
         _decode_units(a, Hkv * B, nb * bs * D)
         return out
+
+
+def _require_lib() -> None:
+    """The library is loaded, or the C kernels cannot run: raise, saying why."""
+    if _lib is None:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(f"the C kernels are not available: {why}")
 
 
 def _blocks_pools(k: Tensor, v: Tensor) -> list:
@@ -351,11 +351,11 @@ def _decode_units(a: _Args, units: int, per_unit: int) -> None:
 
 
 def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _Args:
-    """The C struct over storage ``s`` (its pools, tables, sizes and dtypes; ``pools``: ``_pools(s)`` if the caller
-    has it) and the call's own fields."""
+    """The C struct over storage ``s`` (its pools, tables, sizes and dtypes; ``pools``: ``_pools``' answer for ``s`` if
+    the caller has it) and the call's own fields."""
     cfg = s.layout.config
     _check_tables(s)
-    pointers, strides = pools or _pools(s, keep)
+    pointers, strides, _ = pools or _pools([getattr(s, name) for name in _POOLS], keep)
     ptr = lambda t: _contiguous(t, keep).data_ptr()  # noqa: E731
     return _Args(Hkv=s.num_kv_heads, D=s.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
                  quant_slots=s.layout.quant_slots, float_slots=s.float_table.shape[1], bits=cfg.bits,
@@ -374,66 +374,67 @@ def _check_tables(s: LayerStorage) -> None:
     checks.table("quant_table", s.quant_table, s.key_codes.shape[1], "its pool (quant blocks)")
 
 
-_POOLS_SEEN: dict = {}  # (data_ptr, shape, stride) of every pool -> (pointers, strides): the last layers' pools
+# the pointer fields of each C struct: set at every call (``_point``), never kept from an earlier one
+_POINTERS = {struct: frozenset(name for name, ctype in struct._fields_ if ctype is ctypes.c_void_p)
+             for struct in (_Args, _Store, _Complete)}
 
 
-def _pools(s: LayerStorage, keep: list) -> tuple[dict, ctypes.Array]:
-    """The pools' pointers and (head, block) strides for the C struct; the same pools (a cache's layers, an
-    engine's pages) are seen at every step, so the answer for each is kept (a pool copied because its
-    blocks were not contiguous is not kept: its copy dies with the call)."""
-    tensors = [getattr(s, name) for name in _POOLS]
-    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
-    seen = _POOLS_SEEN.get(key)
-    if seen is not None:
-        return seen
-    pools = [_blocks_contiguous(t, keep) for t in tensors]
-    seen = _pointers(pools)
-    if all(p is t for p, t in zip(pools, tensors)):
-        if len(_POOLS_SEEN) >= 256:  # a few models' layers; a new set of pools starts over
-            _POOLS_SEEN.clear()
-        _POOLS_SEEN[key] = seen
-    return seen
+def _point(struct: ctypes.Structure, pointers: dict) -> None:
+    """Set every pointer field of ``struct`` (a template kept for a step's later layers) to ``pointers`` (name ->
+    address, or None), read from this call's tensors: all of them, or raise (a field left out would keep an
+    earlier call's address)."""
+    if pointers.keys() != _POINTERS[type(struct)]:
+        raise RuntimeError(f"{type(struct).__name__}: pointers {sorted(pointers)} are not its pointer fields "
+                           f"{sorted(_POINTERS[type(struct)])}")
+    for name, address in pointers.items():
+        setattr(struct, name, address)
 
 
-def _pointers(pools: list) -> tuple[dict, ctypes.Array]:
-    """The C struct's pool fields: ``{name: address}`` and the (head, block) strides, of the pools in ``_POOLS``
-    order."""
-    strides = (ctypes.c_int64 * 2 * 10)(*[(ctypes.c_int64 * 2)(t.stride(0), t.stride(1)) for t in pools])
-    return {name: t.data_ptr() for name, t in zip(_POOLS, pools)}, strides
+_POOL_LAYOUTS: dict = {}  # (shape, stride, dtype) of the pools -> (which are copied, the struct's strides): no address
 
 
-class _InPlace(NamedTuple):
-    """An engine layer's pools as the C structs read them in place: made once per layer (``EngineDecode.run``)."""
-    pointers: dict       # name -> address
-    addresses: tuple     # the same, as (name, address) pairs
-    strides: ctypes.Array
-    signature: tuple     # (shape, stride, dtype) of each pool: a later layer's structs are the first's if equal
+def _pools(tensors: list[Tensor], keep: list, in_place: bool = False) -> tuple[dict, ctypes.Array, tuple]:
+    """The pools (``_POOLS`` order) as the C struct reads them: ``({name: address}, their (head, block) strides, how
+    they lie)``. A pool whose blocks are contiguous is read as it lies (the C code steps heads and blocks by its own
+    strides: an engine's pages, a view, are read in place), another through a contiguous copy (alive in ``keep``;
+    ``in_place``: refused, as a write into the copy would not reach the pool). The addresses are read at each call;
+    what follows from the shapes and strides alone is computed once per layout."""
+    lie = tuple((t.shape, t.stride(), t.dtype) for t in tensors)
+    layout = _POOL_LAYOUTS.get(lie)
+    if layout is None:
+        copied = tuple(not _blocks_contiguous(t) for t in tensors)
+        strides = [_contiguous_strides(t.shape) if c else t.stride() for t, c in zip(tensors, copied)]
+        if len(_POOL_LAYOUTS) >= 256:  # a few models' layers; a new set of pools starts over
+            _POOL_LAYOUTS.clear()
+        layout = _POOL_LAYOUTS[lie] = (copied, (ctypes.c_int64 * 2 * 10)(*[(ctypes.c_int64 * 2)(*st[:2])
+                                                                             for st in strides]))
+    copied, strides = layout
+    if any(copied):
+        if in_place:
+            name = _POOLS[copied.index(True)]
+            raise ValueError(f"the C writers write the pools in place: {name} must be [Hkv, blocks, ...] with each "
+                             f"block contiguous, got strides {tensors[copied.index(True)].stride()}")
+        tensors = [t.contiguous() if c else t for t, c in zip(tensors, copied)]
+        keep += tensors
+    return {name: t.data_ptr() for name, t in zip(_POOLS, tensors)}, strides, lie
 
 
-def _in_place(pools: dict[str, Tensor]) -> _InPlace | None:
-    """``_InPlace`` of ``pools`` (every ``LayerStorage`` pool, by name), or None if a pool's blocks are not
-    contiguous (the C code would read a copy)."""
-    tensors = [pools[name] for name in _POOLS]
-    if any(_blocks_contiguous(t, []) is not t for t in tensors) or any(t.device.type != "cpu" for t in tensors):
-        return None
-    pointers, strides = _pointers(tensors)
-    return _InPlace(pointers, tuple(pointers.items()), strides,
-                    tuple((t.shape, t.stride(), t.dtype) for t in tensors))
-
-
-def _blocks_contiguous(pool: Tensor, keep: list) -> Tensor:
-    """``pool [Hkv, blocks, ...]`` as it lies when each block is contiguous (the C code steps heads and blocks by
-    the pool's own strides: an engine's pages, a view, are read in place), else a contiguous copy."""
-    shape, stride, step = pool.shape, pool.stride(), 1
-    contiguous = True
-    for size, st in zip(reversed(shape[2:]), reversed(stride[2:])):  # a block's own dims, innermost first
-        contiguous &= size == 1 or st == step
+def _blocks_contiguous(pool: Tensor) -> bool:
+    """Each block of ``pool [Hkv, blocks, ...]`` is contiguous (its own dims, innermost first, step densely)."""
+    step = 1
+    for size, st in zip(reversed(pool.shape[2:]), reversed(pool.stride()[2:])):
+        if size != 1 and st != step:
+            return False
         step *= size
-    if contiguous:
-        return pool
-    copy = pool.contiguous()
-    keep.append(copy)
-    return copy
+    return True
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _contiguous(t: Tensor, keep: list) -> Tensor:
@@ -473,22 +474,33 @@ def _store_struct(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: T
                   ring_rows=index[2].data_ptr())
 
 
-def _store_applies(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor) -> bool:
+def _store_refusal(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the C row write cannot serve these tensors, or None."""
     D = k.shape[2]
-    return (_lib is not None and all(t.device.type == "cpu" for t in (pool_k, pool_v, table, k, v))
-            and (pool_k.stride(3), pool_k.stride(2)) == (1, D) and pool_k.stride() == pool_v.stride()
-            and pool_k.dtype == pool_v.dtype and k.dtype == v.dtype and D <= MAX_HEAD_DIM
-            and {pool_k.dtype, k.dtype} <= _DTYPES.keys())
+    if any(t.device.type != "cpu" for t in (pool_k, pool_v, table, k, v)):
+        return "needs CPU tensors"
+    if (pool_k.stride(3), pool_k.stride(2)) != (1, D) or pool_k.stride() != pool_v.stride():
+        return (f"needs pools whose blocks' rows are D={D} elements apart, one layout for K and V; got strides "
+                f"{pool_k.stride()} and {pool_v.stride()}")
+    if pool_k.dtype != pool_v.dtype or k.dtype != v.dtype or not {pool_k.dtype, k.dtype} <= _DTYPES.keys():
+        return (f"needs float32, bfloat16 or float16 pools and tokens (one dtype each for K and V), got pools "
+                f"{pool_k.dtype}/{pool_v.dtype}, tokens {k.dtype}/{v.dtype}")
+    if D > MAX_HEAD_DIM:
+        return f"needs head_dim <= {MAX_HEAD_DIM}, got {D}"
+    return None
 
 
 def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
                  ring_rows: Tensor, rows_per_block: int) -> None:
     """``write.store_rows`` in one C call (a decode step writes a few rows per layer, where
     PyTorch's indexed writes cost more than the bytes), the same bits: the casts round as torch's ``.to()`` does.
-    Takes the PyTorch path where the C one does not apply (tensors off the CPU, a pool whose blocks' rows are
-    not ``D`` apart)."""
-    if not _store_applies(pool_k, pool_v, table, k, v):
-        return write.store_rows(pool_k, pool_v, table, k, v, at, seqs, ring_rows, rows_per_block)
+    Raises ValueError, writing nothing, where it does not apply (tensors off the CPU, a pool whose blocks' rows
+    are not ``D`` apart, a dtype it does not read)."""
+    _require_lib()
+    why = _store_refusal(pool_k, pool_v, table, k, v)
+    if why:
+        raise ValueError(f"the C row write {why}")
+    trace.ran("write_rows", "c")
     checks.table("table", table, min(pool_k.shape[1], pool_v.shape[1]), "pool_k and pool_v")
     keep = []
     s = _store_struct(pool_k, pool_v, table, k, v, [t.contiguous() for t in (at, seqs, ring_rows)], rows_per_block,
@@ -508,45 +520,67 @@ def _complete_struct(s: LayerStorage, k: Tensor, v: Tensor, index: list, keep: l
                      first_new=index[3].data_ptr(), float_rows=s.layout.float_rows)
 
 
-def _complete_applies(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> bool:
-    return (_lib is not None and s.device.type == "cpu" and k.device.type == "cpu" and quantizer is quant
-            and s.head_dim <= MAX_HEAD_DIM and k.dtype == v.dtype and s.layout.quant_slots > 0
-            and {k.dtype, s.layout.config.window_dtype, s.layout.config.scale_dtype} <= _DTYPES.keys())
+def _complete_refusal(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> str | None:
+    """Why the C block completion cannot serve this write, or None."""
+    cfg = s.layout.config
+    if s.device.type != "cpu" or k.device.type != "cpu":
+        return "needs CPU tensors"
+    if quantizer is not quant:
+        return f"quantizes as qsinkkv.quant does; got the quantizer {getattr(quantizer, '__name__', quantizer)}"
+    if k.dtype != v.dtype or not {k.dtype, cfg.window_dtype, cfg.scale_dtype} <= _DTYPES.keys():
+        return (f"needs float32, bfloat16 or float16 tokens (one dtype for K and V), window_dtype and scale_dtype; "
+                f"got tokens {k.dtype}/{v.dtype}, window_dtype={cfg.window_dtype}, scale_dtype={cfg.scale_dtype}")
+    if s.head_dim > MAX_HEAD_DIM:
+        return f"needs head_dim <= {MAX_HEAD_DIM}, got {s.head_dim}"
+    return None
 
 
 def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
                       first_new: Tensor, quantizer) -> None:
     """``write.complete_blocks`` in one C call: gathered, quantized (quant.py's rounding rule, the same codes and
     scales) and written to the pages with no PyTorch op, whose small indexed reads and writes cost more than the
-    bytes (and, on a core another process shares, each wait for OpenMP's threads). A block whose scale
-    overflows ``scale_dtype`` is refused by the PyTorch path (its error, nothing written); so is a storage
-    the C code does not serve (off the CPU, the Triton quantizer)."""
-    if _complete_applies(s, k, v, quantizer):
-        keep = []
-        a = _args(s, keep, B=s.batch_size, G=1)
-        c = _complete_struct(s, k, v, [t.contiguous() for t in (at, seqs, blocks, first_new)], keep)
-        code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
-        if code == 0:
-            return
-        if code == -5:
-            raise ValueError("quant_table names no page (-1) for a block this write completes: nothing was written")
-        if code != -3:
-            raise RuntimeError(f"the C block completion failed (code {code})")
-    write.complete_blocks(s, k, v, at, seqs, blocks, first_new, quantizer)
+    bytes (and, on a core another process shares, each wait for OpenMP's threads). Raises ValueError, writing
+    nothing, for a block whose scale overflows ``scale_dtype`` (``quant.scale_overflow``'s error) and for a write it
+    does not serve (off the CPU, the Triton quantizer, a dtype it does not read)."""
+    _require_lib()
+    why = _complete_refusal(s, k, v, quantizer)
+    if why:
+        raise ValueError(f"the C block completion {why}")
+    trace.ran("write_blocks", "c")
+    keep = []
+    # (in place: codes written into a copy of a pool would never reach it)
+    a = _args(s, keep, _pools([getattr(s, name) for name in _POOLS], keep, in_place=True), B=s.batch_size, G=1)
+    c = _complete_struct(s, k, v, [t.contiguous() for t in (at, seqs, blocks, first_new)], keep)
+    code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
+    if code == -3:
+        raise _overflow(s, k, v, at, seqs, blocks, first_new)
+    if code == -5:
+        raise ValueError("quant_table names no page (-1) for a block this write completes: nothing was written")
+    if code:
+        raise RuntimeError(f"the C block completion failed (code {code})")
 
 
-WRITER_C = write.Writer(complete_blocks_c, store_rows_c)
+def _overflow(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+              first_new: Tensor) -> ValueError:
+    """The error of a block whose scale overflowed (``quant.scale_overflow``'s), naming the largest |x| of the blocks
+    the write completes (gathered as the reference gathers them: ``write.completing_blocks``)."""
+    parts = write.completing_blocks(s, k, v, at, seqs, blocks, first_new)
+    return quant.scale_overflow(s.layout.config.scale_dtype, max(float(x.float().abs().amax()) for x in parts))
+
+
+WRITER_C = write.Writer("c", complete_blocks_c, store_rows_c)
 
 
 class EngineDecode:
     """One decode step of an engine's pages for every layer (every row one new token, past its sinks: vLLM's
     common step): prepared once from the first layer's ``store`` record (the plan of the write, the tables, the
     visible bias), then ``run`` per layer: the value checks, the write (the blocks that complete, the float rows)
-    and the decode in two C calls, the bits ``engine_pages.attend_packed`` gives for such a step. ``run`` returns
-    None, having written nothing, when the checks or a block's scale refuse the step, or when a layer's pools
-    are laid out otherwise: the caller then runs ``attend_packed``, which raises by name."""
+    and the decode in two C calls, the bits ``engine_pages.attend_packed`` gives for such a step. A step the
+    checks or a block's scale refuse raises by name, nothing written; so does a layer the C code cannot read in
+    place."""
 
     def __init__(self, store: LayerStorage):
+        _require_lib()
         layout, B, held = store.layout, store.batch_size, store.seq_lens
         every = tuple(range(B))
         self.plan = write.plan(layout, tuple(held.tolist()), (1,) * B, every, every)
@@ -554,54 +588,76 @@ class EngineDecode:
         self.index = [t.contiguous() for t in (self.plan.full_at, self.plan.full_rows, self.plan.full_block,
                                                 self.plan.full_from, self.plan.float_at, self.plan.float_rows,
                                                 self.plan.float_row)]
-        self.store = store  # a later layer's record: this one with that layer's pools
+        # a later layer's record: this one with that layer's pools (the tables as the C structs read them)
+        self.store = replace(store, **{name: getattr(store, name).contiguous()
+                                       for name in ("sink_table", "float_table", "quant_table")})
         self.layout = layout
-        # the first layer's C structs; a later layer whose tensors lie the same way changes only their pointers
-        # (every layer of an engine has pools of one shape: building three structs per layer cost ~30 us)
-        self._structs = None
+        # the first layer's C structs, the template of the later layers whose tensors lie the same way (every layer
+        # of an engine has pools of one shape: building three structs per layer cost ~30 us): their sizes, strides
+        # and dtypes; every pointer is set afresh at each call (_point)
+        self._template = None
 
     def run(self, layer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
-            out: Tensor | None = None) -> Tensor | None:
+            out: Tensor | None = None) -> Tensor:
         """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` in q's dtype (or into ``out``, a
         contiguous ``[B, H, D]`` float32/bf16/fp16 tensor, rounded as ``.to()`` rounds), stored into ``layer``'s pools
-        (an ``engine_pages.LayerPools``: ``pools`` by name, and ``derived``, where their pointers are kept for
-        every later step), or None (nothing written)."""
-        if _lib is None or q.dtype not in _DTYPES:
-            return None
+        (an ``engine_pages.LayerPools``: ``pools`` by name). Raises ValueError, nothing written, for a value the
+        checks refuse (``checks.values``' error), a block whose scale overflows, q, k or v of a dtype the C code does
+        not read, or pools it would read through a copy."""
+        B, Hkv, D = self.store.batch_size, self.store.num_kv_heads, self.store.head_dim
+        pool_tensors = [layer.pools[name] for name in _POOLS]
+        if (q.dim() != 3 or q.shape[0] != B or q.shape[1] % Hkv or q.shape[2] != D or k.shape != (B, Hkv, D)
+                or v.shape != k.shape):
+            raise ValueError(f"q must be [B={B}, H (a multiple of Hkv={Hkv}), D={D}] and k, v [B, Hkv, D], got q "
+                             f"{list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+        if q.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype != k.dtype:
+            raise ValueError(f"the C engine step reads float32, bfloat16 or float16 q, and k and v of one such dtype; "
+                             f"got {q.dtype}, {k.dtype} and {v.dtype}")
+        if any(t.device.type != "cpu" for t in (q, k, v, pool_tensors[0])):
+            raise ValueError(f"the C engine step reads CPU tensors, got q, k, v and the pools on {q.device}, "
+                             f"{k.device}, {v.device} and {pool_tensors[0].device}")
         _check_out(out, q)
-        pools = layer.derived.get("c")
-        if pools is None:
-            pools = layer.derived["c"] = _in_place(layer.pools)
-        if not pools:  # a pool the C code would read through a copy: writing the copy would not write the pool
-            return None
+        keep = []  # (copies of q, k or v the C code reads: alive until the call returns)
+        pools = _pools(pool_tensors, keep, in_place=True)
+        trace.ran("engine_step", "c")
+        q_rows, q_stride = _rows(q, keep)
+        k_rows, v_rows, kv_stride = _kv_rows(k, v, keep)
         out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
         scale = q.shape[2] ** -0.5 if scale is None else scale
-        lies = (pools.signature, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.stride(), v.dtype,
-                out.dtype, scale)
-        if self._structs is not None and self._structs[0] == lies:
-            a, c, st, bound = self._structs[1:5]
-            for name, address in pools.addresses:
-                setattr(a, name, address)
-            a.q, a.out = q.data_ptr(), out.data_ptr()
-            c.x_k = st.x_k = k.data_ptr()
-            c.x_v = st.x_v = v.data_ptr()
-            st.pool_k, st.pool_v = pools.pointers["float_k"], pools.pointers["float_v"]
-        else:
-            keep = []
+        lies = (pools[2], q.shape, q_stride, q.dtype, k.shape, kv_stride, k.dtype, v.dtype, out.dtype, scale)
+        if self._template is None or self._template[0] != lies:
             store = replace(self.store, **layer.pools)
-            q_rows, q_stride = _rows(q, keep)
-            k_rows, v_rows, _ = _kv_rows(k, v, keep)
-            # kept for the later layers only if q, k and v are read as they lie (no copy of this layer's)
-            as_laid = q_rows is q and k_rows is k and v_rows is v
-            a = _args(store, keep, (pools.pointers, pools.strides), B=q.shape[0], G=q.shape[1] // store.num_kv_heads,
-                      q=q_rows.data_ptr(), q_dtype=_DTYPES[q.dtype], q_stride=q_stride, bias=self.bias.data_ptr(),
-                      sink_logits=None, scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
+            a = _args(store, keep, pools, B=q.shape[0], G=q.shape[1] // store.num_kv_heads, q=q_rows.data_ptr(),
+                      q_dtype=_DTYPES[q.dtype], q_stride=q_stride, bias=self.bias.data_ptr(), sink_logits=None,
+                      scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
             c = _complete_struct(store, k_rows, v_rows, self.index[:4], keep)
             st = _store_struct(store.float_k, store.float_v, store.float_table, k_rows, v_rows, self.index[4:],
                                store.float_k.shape[2], keep)
-            bound = window_bound(self.layout.config, k.dtype)
-            self._structs = (lies, a, c, st, bound, keep) if as_laid else None  # keep: what the structs point into
-        if _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound):
-            return None
+            self._template = (lies, a, c, st, window_bound(self.layout.config, k.dtype))
+        _, a, c, st, bound = self._template
+        pointers, s, at = pools[0], self.store, self.index
+        _point(a, dict(pointers, sink_table=s.sink_table.data_ptr(), float_table=s.float_table.data_ptr(),
+                       quant_table=s.quant_table.data_ptr(), q=q_rows.data_ptr(), bias=self.bias.data_ptr(),
+                       sink_logits=None, out=out.data_ptr()))
+        _point(c, dict(x_k=k_rows.data_ptr(), x_v=v_rows.data_ptr(), at=at[0].data_ptr(), seqs=at[1].data_ptr(),
+                       blocks=at[2].data_ptr(), first_new=at[3].data_ptr()))
+        _point(st, dict(x_k=k_rows.data_ptr(), x_v=v_rows.data_ptr(), pool_k=pointers["float_k"],
+                        pool_v=pointers["float_v"], table=s.float_table.data_ptr(), at=at[4].data_ptr(),
+                        seqs=at[5].data_ptr(), ring_rows=at[6].data_ptr()))
+        code = _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound)
+        if code == -4:  # a value the checks refuse: checks.values names it
+            self._refuse(q, k, v)
+        if code == -3:
+            raise _overflow(replace(self.store, **layer.pools), k, v, *self.index[:4])
+        if code:
+            raise RuntimeError(f"the C engine step failed (code {code})")
         _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)
         return out
+
+    def _refuse(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """The error ``checks.values`` gives for this step's values (the C check refused them; nothing was written)."""
+        B = q.shape[0]
+        qsl = torch.arange(B + 1)
+        checks.values(self.layout.config, self.store.seq_lens, split_packed(q, k, v, qsl, [1] * B), k, v, q, None,
+                      packed=True)
+        raise RuntimeError("the C engine step refused a value that checks.values accepts: the two checks disagree")

@@ -191,12 +191,10 @@ def step_tables(pages: PageLayout, block_table: Tensor, held: Tensor, lens: Tens
 
 class LayerPools:
     """One layer's storage in an engine, for the engine's life: the pools over its pages (``PageLayout.views``: every
-    ``LayerStorage`` pool, the float ring's included, a view of the same pages). ``derived``: what an op computes
-    from the pools once and keeps for every step (the C decode's pointers and strides)."""
+    ``LayerStorage`` pool, the float ring's included, a view of the same pages)."""
 
     def __init__(self, pages: dict[str, Tensor]):
         self.pools = dict(pages)  # every LayerStorage pool, by name
-        self.derived: dict = {}
 
     @property
     def num_pages(self) -> int:
@@ -249,8 +247,8 @@ class EngineStep:
     ``attend``, which runs one layer's packed step as ``attend_packed`` does. A step in which every row brings
     one token past its sinks (the common decode step), on ops that have an engine decode (``Ops.engine_decode``:
     the C one), runs the checks, the write and the decode in two C calls per layer, prepared once for all layers
-    at the first, with no per-layer record; any other step, or one those refuse (a NaN, a scale that overflows:
-    nothing was written), runs ``attend_packed`` over the layer's records, which raises by name.
+    at the first, with no per-layer record (a value they refuse raises by name, nothing written); any other step
+    runs ``attend_packed`` over the layer's records.
     ``held``, ``lens`` [B] host int64, ``qsl`` [B + 1]."""
 
     def __init__(self, layout: WindowLayout, held: Tensor, lens: Tensor, tables: tuple[Tensor, Tensor, Tensor, Tensor]):
@@ -264,7 +262,6 @@ class EngineStep:
             checks.table("block_table", named, 1 << 62, "a pool (entries >= 0)", none_ok=False)
         self.pages_named = most + 1
         self._engine = None
-        self.fused_layers = 0  # layers that ran fused (the others ran attend_packed)
 
     def records(self, layer: LayerPools) -> tuple[LayerStorage, LayerStorage]:
         """``storages`` of ``layer`` for this step."""
@@ -282,10 +279,7 @@ class EngineStep:
                 _check_pools(layer, self.tables)  # raises, naming the table
             if self._engine is None:
                 self._engine = ops.engine_decode(self.records(layer)[1])
-            done = self._engine.run(layer, q, k, v, scale, out)
-            if done is not None:
-                self.fused_layers += 1
-                return done
+            return self._engine.run(layer, q, k, v, scale, out)
         read, store = self.records(layer)
         result = attend_packed(ops, read, store, q, k, v, self.query_start_loc, scale=scale)
         return result if out is None else out.copy_(result)

@@ -12,6 +12,11 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   write              write.plan + write.commit: WRITER_TORCH      decode_c.WRITER_C (CPU, C; the same bits)
                      (complete_blocks, store_rows), with the
                      chosen quantizer
+  engine decode step (the checks, the write and the decode of      decode_c.EngineDecode (CPU, C)
+                     engine_pages.attend_packed)
+
+Each op has one kernel per backend, chosen here once (``Ops.kernels``, ``Ops.served_by``); every kernel notes
+itself as it runs (``qsinkkv.trace``), and a case it cannot serve raises by name: no kernel hands a call to another.
 
 Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
 -> cache -> integrations/eval.
@@ -27,6 +32,7 @@ from types import ModuleType
 import torch
 
 from . import decode_c, quant, write
+from .config import CacheConfig
 from .decode import decode_attention_reference, decode_attention_torch
 from .prefill import prefill_attention_reference, prefill_attention_torch, prefill_fresh_packed
 from .rope import Rotary
@@ -41,7 +47,11 @@ DECODE_VARIANTS = ("dequantize", "folded", "fp16")
 
 @dataclass(frozen=True)
 class Ops:
+    """A cache's ops, each served by one kernel for its life: ``kernels`` names it per op (``trace.OPS`` ->
+    ``trace.KERNELS``), and every kernel notes itself as it runs (``trace.ran``), so a test can assert that the
+    kernel it means ran. A case a kernel cannot serve raises by name; none hands a call to another kernel."""
     backend: str          # "torch", "c" or "triton"
+    kernels: dict[str, str]  # op -> the kernel that serves it (served_by)
     quantizer: ModuleType  # quantize_key_blocks / quantize_values: qsinkkv.quant or qsinkkv.kernels.api
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
@@ -51,38 +61,53 @@ class Ops:
     # mask; prefill_attention_torch's own shortcut for such rows), if the backend's prefill has that shortcut
     prefill_fresh: Callable | None = None
 
+    def served_by(self) -> dict[str, str]:
+        """op -> kernel, e.g. ``{"decode": "c", "prefill": "torch", ...}`` (a copy)."""
+        return dict(self.kernels)
+
 
 def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None,
-               decode_variant: str = "dequantize") -> Ops:
+               decode_variant: str = "dequantize", *, config: CacheConfig | None = None,
+               dtype: torch.dtype | None = None) -> Ops:
     """backend: "torch" (PyTorch ops), "c" (the torch backend with decode attention in C: CPU tensors,
     absolute positions, a C compiler on the machine), "triton" (CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1), or "auto" (Triton on CUDA when it is installed and head_dim % 4 == 0; on the
     CPU "c" where it applies and compiles, else torch). ``rotary`` (the ``cache_index`` contract) and
-    ``decode_variant`` (one of ``DECODE_VARIANTS``, checked by ``check_decode_variant``) are bound into the
-    ops here."""
-    backend = resolve_backend(backend, device, head_dim, rotary)
-    check_decode_variant(decode_variant, backend, rotary)
+    ``decode_variant`` (one of ``DECODE_VARIANTS``, checked by ``check_decode_variant`` against ``config`` when
+    given) are bound into the ops here; ``dtype``, the q/k/v dtype the cache takes, where known (the C kernels read
+    float32, bfloat16 and float16: "auto" takes torch for another, "c" refuses it)."""
+    backend = resolve_backend(backend, device, head_dim, rotary, dtype)
+    check_decode_variant(decode_variant, backend, rotary, config, head_dim)
     if backend == "c":
-        return Ops("c", quant, decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C,
-                   decode_c.EngineDecode, prefill_fresh_packed)
+        return Ops("c", dict(write_blocks="c", write_rows="c", decode="c", prefill="torch", engine_step="c"), quant,
+                   decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C, decode_c.EngineDecode,
+                   prefill_fresh_packed)
     if backend == "triton":
         from .kernels import api as kernels
-        return Ops("triton", kernels,
+        # (the write: the plan's indexed copies in torch, its blocks quantized by the Triton kernels)
+        return Ops("triton", dict(write_blocks="torch", write_rows="torch", quantize="triton", decode="triton",
+                                  prefill="triton"), kernels,
                    functools.partial(kernels.decode_attention, rotary=rotary, variant=decode_variant),
                    functools.partial(kernels.prefill_attention, rotary=rotary))
     # the CPU decode's products and SDPA's prefill need keys at their final rotation; under cache_index
     # each key turns by its index
     if rotary is None:
-        return Ops("torch", quant, decode_attention_torch, prefill_attention_torch, prefill_fresh=prefill_fresh_packed)
-    return Ops("torch", quant, functools.partial(decode_attention_reference, rotary=rotary),
+        return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="torch",
+                                 prefill="torch"), quant, decode_attention_torch, prefill_attention_torch,
+                   prefill_fresh=prefill_fresh_packed)
+    return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="reference",
+                             prefill="reference"), quant, functools.partial(decode_attention_reference, rotary=rotary),
                functools.partial(prefill_attention_reference, rotary=rotary))
 
 
-def check_decode_variant(decode_variant: str, backend: str | None = None, rotary: Rotary | None = None) -> None:
+def check_decode_variant(decode_variant: str, backend: str | None = None, rotary: Rotary | None = None,
+                         config: CacheConfig | None = None, head_dim: int | None = None) -> None:
     """Refuse a ``decode_variant`` that is not one of ``DECODE_VARIANTS``, that the (resolved) ``backend``
-    has no such body for (torch and c: only the default), or that cannot apply under the ``cache_index``
+    has no such body for (torch and c: only the default), that cannot apply under the ``cache_index``
     contract (``rotary`` given: "fp16" folds the key scales into the query, a key turning by its own index
-    does not)."""
+    does not), or, given the ``config`` and ``head_dim``, whose blocks it cannot fold ("folded" and "fp16" fold a
+    value group's scale out of each half of the head: ``value_group_size`` must be a multiple of ``head_dim // 2``;
+    bits=16 stores no quantized block, so every variant reads the same float blocks)."""
     if decode_variant not in DECODE_VARIANTS:
         raise ValueError(f"decode_variant must be one of {', '.join(map(repr, DECODE_VARIANTS))}, "
                          f"got {decode_variant!r}")
@@ -92,13 +117,19 @@ def check_decode_variant(decode_variant: str, backend: str | None = None, rotary
     if rotary is not None and decode_variant == "fp16":
         raise ValueError("decode_variant='fp16' needs positions='absolute' (under 'cache_index' each key turns by "
                          "its own index in the kernel, which does not fold into the query): use 'folded'")
+    if (config is not None and head_dim is not None and decode_variant != DECODE_VARIANTS[0] and config.bits != 16
+            and config.value_group_size % (head_dim // 2)):
+        raise ValueError(f"decode_variant={decode_variant!r} folds each value group's scale out of a half of the head: "
+                         f"it needs value_group_size a multiple of head_dim // 2 = {head_dim // 2}, got "
+                         f"value_group_size={config.value_group_size}: use decode_variant='dequantize'")
 
 
-def resolve_backend(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None = None) -> str:
+def resolve_backend(backend: str, device: torch.device, head_dim: int, rotary: Rotary | None = None,
+                    dtype: torch.dtype | None = None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto', 'torch', 'c' or 'triton', got {backend!r}")
     if backend == "c" or (backend == "auto" and device.type == "cpu"):
-        why = _why_not_c(device, head_dim, rotary)
+        why = _why_not_c(device, head_dim, rotary, dtype)
         if why is None:
             return "c"
         if backend == "c":
@@ -122,10 +153,12 @@ def resolve_backend(backend: str, device: torch.device, head_dim: int, rotary: R
     return backend
 
 
-def _why_not_c(device: torch.device, head_dim: int, rotary: Rotary | None) -> str | None:
-    """Why the C decode cannot serve this cache, or None."""
+def _why_not_c(device: torch.device, head_dim: int, rotary: Rotary | None, dtype: torch.dtype | None) -> str | None:
+    """Why the C kernels cannot serve this cache, or None."""
     if device.type != "cpu":
         return f"needs CPU tensors, got device={device}"
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"reads float32, bfloat16 or float16 tensors, got dtype={dtype}"
     if rotary is not None:
         return "decodes absolute positions; positions='cache_index' decodes with backend='torch'"
     if head_dim > decode_c.MAX_HEAD_DIM:

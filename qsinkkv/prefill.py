@@ -9,7 +9,8 @@ each over those slots and only the chunk keys the tile can see:
   rule, in float32; every contract, sink logits);
 * ``prefill_attention_torch`` (the torch backend's path, absolute contract): the same tiles
   through ``scaled_dot_product_attention`` with the visible set as a boolean mask, PyTorch's
-  fused CPU kernel (``benchmarks/prefill.py`` times it).
+  fused CPU kernel (``benchmarks/prefill.py`` times it); learned sink logits as one more key, of
+  zero value, whose score is the logit (an additive mask column).
 
 Both give a row the bits it gets alone, whatever the other rows of the batch bring: rows go in groups that
 read the same keys (``_by_key_set``: one chunk length, no padding), because these kernels' sums over the
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import trace
 from .attention import sink_window_attention
 from .layout import QUERY_TILE, query_tiles, visible_mask
 from .rope import Rotary
@@ -42,6 +44,7 @@ def prefill_attention_reference(q: Tensor, k: Tensor, v: Tensor, layer: LayerSto
     Queries go in tiles; a tile reads the stored slots (at most the capacity plus a block) and
     only the chunk keys it can see: the chunk's sinks and the W before the tile. Time and memory
     grow linearly with T at a fixed capacity."""
+    trace.ran("prefill", "reference")
     cfg = layer.layout.config
     attend = functools.partial(sink_window_attention, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
                                scale=scale, rotary=rotary, sink_logits=sink_logits)
@@ -52,24 +55,33 @@ def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage
                             scale: float | None = None, sink_logits: Tensor | None = None) -> Tensor:
     """``prefill_attention_reference`` (absolute contract) with each tile through PyTorch's fused
     ``scaled_dot_product_attention`` under the visible set as a boolean mask, in float32 (float64 for
-    float64 inputs). Learned sink logits (an extra softmax term SDPA has no place for) take the
-    reference.
+    float64 inputs). Learned sink logits ``[H]`` (a softmax term with no value, which SDPA has no place for) are
+    one more key of zero value per tile whose score is the head's logit: a float mask, 0 where seen, -inf not,
+    the logit in the extra column.
 
     Rows that hold nothing yet and bring at most S + W tokens (a new prompt) see every chunk key up to their own
     (the window of query t, ``(t - W, t]``, reaches back past the sinks): the causal mask, SDPA's causal kernel
-    on their own tokens, nothing stored read. A step of ragged chunks costs the sum of its rows' work, not
-    B x T_max; rows go in groups of one chunk length (``_by_key_set``), so each gets the bits it gets alone."""
-    if sink_logits is not None:
-        return prefill_attention_reference(q, k, v, layer, lengths, scale=scale, sink_logits=sink_logits)
+    on their own tokens, nothing stored read (without sink logits). A step of ragged chunks costs the sum of its
+    rows' work, not B x T_max; rows go in groups of one chunk length (``_by_key_set``), so each gets the bits it
+    gets alone."""
+    trace.ran("prefill", "torch")
     cfg = layer.layout.config
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def attend(q_t, k_t, v_t, q_pos, k_pos):
         seen = visible_mask(q_pos, k_pos, cfg.sink_tokens, cfg.recent_tokens).unsqueeze(1)  # [B, 1, t, N]
-        out = F.scaled_dot_product_attention(q_t.to(work), k_t.to(work), v_t.to(work), attn_mask=seen, scale=scale,
+        k_t, v_t = k_t.to(work), v_t.to(work)
+        if sink_logits is not None:  # the extra key: k = v = 0, its score the logit
+            B, H, t, _ = q_t.shape
+            k_t, v_t = (torch.cat((x, x.new_zeros(*x.shape[:2], 1, x.shape[3])), dim=2) for x in (k_t, v_t))
+            bias = torch.zeros(seen.shape, dtype=work, device=seen.device).masked_fill_(~seen, float("-inf"))
+            seen = torch.cat((bias.expand(B, H, t, -1), sink_logits.to(work).view(1, H, 1, 1).expand(B, H, t, 1)),
+                             dim=3)
+        out = F.scaled_dot_product_attention(q_t.to(work), k_t, v_t, attn_mask=seen, scale=scale,
                                              enable_gqa=q_t.shape[1] != k_t.shape[1])
         return out.to(q_t.dtype)
-    return _by_key_set(q, k, v, layer, lengths, attend, fresh=lambda q, k, v: _causal(q, k, v, scale, work))
+    fresh = None if sink_logits is not None else lambda q, k, v: _causal(q, k, v, scale, work)
+    return _by_key_set(q, k, v, layer, lengths, attend, fresh=fresh)
 
 
 def prefill_fresh_packed(q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], *,
@@ -78,6 +90,7 @@ def prefill_fresh_packed(q: Tensor, k: Tensor, v: Tensor, starts: list[int], len
     (``q [N, H, D]``, ``k, v [N, Hkv, D]``, row i's at ``[starts[i], starts[i] + lens[i])``; every row holds nothing
     yet and brings at most S + W tokens): no padding, no gather -> ``[sum(lens), H, D]`` in q's dtype, the rows'
     tokens in order."""
+    trace.ran("prefill", "torch")
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_empty((sum(lens), *q.shape[1:]))
     at = 0

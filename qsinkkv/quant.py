@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import trace
+
 
 def max_code(bits: int) -> int:
     return (1 << bits) - 1
@@ -51,10 +53,14 @@ def quantize_asym(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype) -> t
 def check_scales_fit(scale: Tensor, zero: Tensor, x: Tensor) -> None:
     """Refuse a group whose scale or zero overflowed ``scale.dtype``: it would poison the group."""
     if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
-        hint = ("use CacheConfig(scale_dtype=torch.float32)" if scale.dtype != torch.float32 else
-                "float32 is the widest scale_dtype: the range of such values does not fit any scale")
-        raise ValueError(
-            f"values of magnitude up to {x.float().abs().max().item():.3g} overflow scale_dtype={scale.dtype}; {hint}")
+        raise scale_overflow(scale.dtype, x.float().abs().max().item())
+
+
+def scale_overflow(scale_dtype: torch.dtype, magnitude: float) -> ValueError:
+    """The error of a block whose values (up to ``magnitude``) overflow ``scale_dtype``: every quantizer's."""
+    hint = ("use CacheConfig(scale_dtype=torch.float32)" if scale_dtype != torch.float32 else
+            "float32 is the widest scale_dtype: the range of such values does not fit any scale")
+    return ValueError(f"values of magnitude up to {magnitude:.3g} overflow scale_dtype={scale_dtype}; {hint}")
 
 
 def quantize_with(xf: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
@@ -102,6 +108,7 @@ def unpack_float(packed: Tensor, bits: int, out: Tensor | None = None) -> Tensor
 def quantize_key_blocks(k: Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """k ``[..., nblk, bs, D]`` -> packed codes ``[..., nblk, bs, D/cpb]`` uint8,
     scale/zero ``[..., nblk, D]`` (one per block and channel)."""
+    trace.ran("quantize", "torch")
     codes, scale, zero = quantize_asym(k, bits, dim=-2, scale_dtype=scale_dtype)
     return pack(codes, bits), scale.squeeze(-2), zero.squeeze(-2)
 
@@ -118,6 +125,7 @@ def dequantize_key_blocks(codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
 
 def quantize_values(v: Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """v ``[..., T, D]`` -> packed codes ``[..., T, D/cpb]`` uint8, scale/zero ``[..., T, D/group_size]``."""
+    trace.ran("quantize", "torch")
     d = v.shape[-1]
     grouped = v.reshape(*v.shape[:-1], d // group_size, group_size)
     codes, scale, zero = quantize_asym(grouped, bits, dim=-1, scale_dtype=scale_dtype)

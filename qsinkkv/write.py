@@ -10,9 +10,9 @@ float-ring rows, the blocks that complete (their older tokens in the ring, the n
 float rows the shorter stream still reads that the step overwrites (the undo rule, ``WindowLayout.live_float_from``).
 Every layer of a model step shares one plan. ``commit`` carries it out: the undo copies, then every completing
 block quantized (all of them before anything is written, so a refused block leaves the storage untouched), then
-the sink and float rows. A decode step of equal rows on a dense storage is the plan's cheapest case: one strided
-copy per ring. ``Writer`` says how the blocks and rows are written (``WRITER_TORCH``, the reference, or
-``decode_c.WRITER_C``: the same bits in C).
+the sink and float rows. A decode step of equal rows on a dense storage is the plan's cheapest case: the torch
+writer makes one strided copy per ring. ``Writer`` says how the blocks and rows are written (``WRITER_TORCH``, the
+reference, or ``decode_c.WRITER_C``: the same bits in C).
 
 ``append`` stores a padded chunk ``[B, Hkv, T, D]``; ``append_tokens`` a packed step's tokens ``[N, Hkv, D]``.
 Both return an ``Undo`` that restores the state before them, for a caller that must roll back a step another
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import trace
 from .storage import QUANT_TENSORS, LayerStorage
 
 
@@ -41,7 +42,8 @@ class Undo:
 @dataclass(frozen=True)
 class Writer:
     """How a plan's blocks and rows are written: ``complete_blocks`` and ``store_rows`` (PyTorch, the reference:
-    ``WRITER_TORCH``; ``decode_c.WRITER_C``: the same bits in C)."""
+    ``WRITER_TORCH``; ``decode_c.WRITER_C``: the same bits in C). ``kernel`` names it (``trace.KERNELS``)."""
+    kernel: str
     complete_blocks: Callable
     store_rows: Callable
 
@@ -177,7 +179,8 @@ def commit(s: LayerStorage, p: WritePlan, k: Tensor, v: Tensor, quantizer, write
         writer.store_rows(s.sink_k, s.sink_v, s.sink_table.unsqueeze(1), k, v, p.sink_at, p.sink_rows, p.sink_pos,
                           cfg.sink_tokens)
     cheapest = p.ring_row is not None and p.rows.shape[0] == s.batch_size  # one float row of every row
-    if cheapest and s.dense:  # each sequence's float ring is one run of rows: a strided copy
+    if cheapest and s.dense and writer is WRITER_TORCH:  # each sequence's ring is one run of rows: a strided copy
+        trace.ran("write_rows", "torch")
         for ring, x in ((s.float_k, k), (s.float_v, v)):
             x = x if x.shape[0] == s.batch_size else x[:s.batch_size]
             ring.view(ring.shape[0], s.batch_size, layout.float_rows, -1)[:, :, p.ring_row].copy_(x.transpose(0, 1))
@@ -197,8 +200,23 @@ def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Ten
     block (the new tokens cast to ``window_dtype`` first, as the ring holds them) and write it to its quantized-ring
     slot ``quant_table[seqs[i], blocks[i] % quant_slots]``. All host int64 ``[n]``. Raises ValueError (nothing
     written) if a scale or zero overflows ``scale_dtype``. The write's reference; ``decode_c`` has its C version."""
+    trace.ran("write_blocks", "torch")
+    cfg = s.layout.config
+    parts = completing_blocks(s, k, v, at, seqs, blocks, first_new)
+    quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
+                 + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
+    where = (slice(None), s.quant_table[seqs.to(s.device), blocks.to(s.device) % s.layout.quant_slots])
+    for name, src in zip(QUANT_TENSORS, quantized):                                 # pool[where]: [Hkv, n, ...]
+        getattr(s, name)[where] = src.squeeze(2).transpose(0, 1)
+
+
+def completing_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+                      first_new: Tensor) -> list[Tensor]:
+    """The tokens of each block ``complete_blocks`` completes (same arguments), as they will be quantized: its older
+    ones from the float ring, the step's from ``k, v``, in ``window_dtype``: ``[k_blocks, v_blocks]``, each
+    ``[n, Hkv, block_size, D]`` (copies)."""
     layout, cfg = s.layout, s.layout.config
-    bs, F, nq, dev = cfg.block_size, layout.float_rows, layout.quant_slots, s.device
+    bs, F, dev = cfg.block_size, layout.float_rows, s.device
     fr = s.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
     seq, blk = seqs.to(dev), blocks.to(dev)
     tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
@@ -213,11 +231,7 @@ def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Ten
         else:
             xb = x[place.to(x.device)].permute(2, 0, 1, 3).to(dev, cfg.window_dtype)  # [Hkv, n, bs, D]
         parts.append(xb.transpose(0, 1))                                            # [n, Hkv, bs, D]
-    quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
-                 + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
-    where = (slice(None), s.quant_table[seq, blk % nq])                             # pool[where]: [Hkv, n, ...]
-    for name, src in zip(QUANT_TENSORS, quantized):
-        getattr(s, name)[where] = src.squeeze(2).transpose(0, 1)
+    return parts
 
 
 def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
@@ -226,6 +240,7 @@ def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tens
     ``table[seqs[i], ring_rows[i] // rows_per_block]`` of ``pool_k, pool_v [Hkv, blocks, rows_per_block, D]``, cast
     to the pools' dtype (``table [B, slots]``; ``at``, ``seqs``, ``ring_rows`` host int64 ``[n]``, ``at``
     increasing: all of ``k`` when as long). The write's reference; ``decode_c`` has its C version."""
+    trace.ran("write_rows", "torch")
     dev = pool_k.device
     rows = ring_rows.to(dev)
     where = (slice(None), table[seqs.to(dev), rows // rows_per_block], rows % rows_per_block)
@@ -233,7 +248,7 @@ def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tens
         pool[where] = (x if len(at) == x.shape[0] else x[at.to(x.device)]).transpose(0, 1).to(pool.dtype)
 
 
-WRITER_TORCH = Writer(complete_blocks, store_rows)
+WRITER_TORCH = Writer("torch", complete_blocks, store_rows)
 
 
 def _save(t: Tensor, index: tuple) -> tuple[Tensor, tuple, Tensor]:

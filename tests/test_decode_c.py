@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import random_storage_layer, rel_rms, run_stream, scattered_pool
 
-from qsinkkv import CacheConfig, Rotary, SinkQuantCache, decode_c
+from qsinkkv import CacheConfig, Rotary, SinkQuantCache, decode_c, trace
 from qsinkkv.decode import decode_attention_reference
 
 pytestmark = pytest.mark.skipif(not decode_c.available()[0], reason=f"no C decode: {decode_c.available()[1]}")
@@ -159,7 +159,9 @@ def test_one_token_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype
     for impl in (write.WRITER_TORCH, decode_c.WRITER_C):
         layer = random_storage_layer(cfg, len(lengths), 2, seed=5)
         layer.seq_lens.copy_(torch.tensor(lengths))
-        write.append_tokens(layer, k, v, rows, rows, [1] * len(rows), quant, keep_undo=False, writer=impl)
+        with trace.recording() as ran:
+            write.append_tokens(layer, k, v, rows, rows, [1] * len(rows), quant, keep_undo=False, writer=impl)
+        assert {kernel for op, kernel in ran if op.startswith("write")} == {impl.kernel}, ran
         results.append(layer)
     for name, t in results[0].tensors().items():
         assert torch.equal(t.view(torch.uint8), results[1].tensors()[name].view(torch.uint8)), name
@@ -203,7 +205,9 @@ def test_chunk_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype, sc
         layer.seq_lens.copy_(torch.tensor(held))
         before = {name: t.clone() for name, t in layer.tensors().items()}
         try:
-            write.append_tokens(layer, k, v, rows, starts, lens, quant, keep_undo=False, writer=impl)
+            with trace.recording() as ran:
+                write.append_tokens(layer, k, v, rows, starts, lens, quant, keep_undo=False, writer=impl)
+            assert {kernel for op, kernel in ran if op.startswith("write")} == {impl.kernel}, ran
         except ValueError as e:
             assert "overflow scale_dtype" in str(e)
             for name, t in layer.tensors().items():
@@ -476,3 +480,77 @@ def test_tables_made_under_inference_mode_are_checked_too():
         inferred.quant_table[0, 0] = layer.key_codes.shape[1]
         with pytest.raises(ValueError, match="quant_table must name blocks"):
             decode_c.decode_attention_c(q, inferred)
+
+
+# --- a kernel refuses what it cannot serve, by name, and never hands the call on (issue 43) -------------------------
+
+def test_the_c_block_completion_refuses_pools_it_would_write_through_a_copy():
+    """A quantized pool whose blocks are not contiguous (a transposed view): the C code would write a copy, and the
+    pool would keep its old bytes while the lengths advance. Refused by name, nothing written."""
+    from qsinkkv import quant, write
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=8, block_size=4, value_group_size=8)
+    layer = random_storage_layer(cfg, 1, 2)
+    layer.seq_lens.zero_()
+    layer.key_codes = layer.key_codes.transpose(2, 3).contiguous().transpose(2, 3)  # blocks [bs, D] column-major
+    before = {name: t.clone() for name, t in layer.tensors().items()}
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(1, 2, 12, D, generator=g) for _ in range(2))
+    with pytest.raises(ValueError, match="the C writers write the pools in place: key_codes must be"):
+        write.append(layer, k, v, [12], quant, decode_c.WRITER_C)
+    assert all(torch.equal(t, before[name]) for name, t in layer.tensors().items())
+    assert int(layer.seq_lens[0]) == 0
+
+
+def test_a_scale_overflow_names_the_blocks_values_as_the_reference_does():
+    """A sink of 1e9 and a window value of 1e8 past fp16's range: the C writer names the block's 1e8 (the values it
+    quantizes), as the PyTorch writer does, not the sink's 1e9."""
+    from qsinkkv import quant, write
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=8, block_size=4, value_group_size=8,
+                      window_dtype=torch.float32, sink_dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(1, 2, 12, D, generator=g) for _ in range(2))
+    k[0, 0, 0, 0], k[0, 0, 3, 1] = 1e9, 1e8
+    errors = []
+    for writer in (write.WRITER_TORCH, decode_c.WRITER_C):
+        layer = random_storage_layer(cfg, 1, 2)
+        layer.seq_lens.zero_()
+        with pytest.raises(ValueError, match="overflow scale_dtype") as e:
+            write.append(layer, k, v, [12], quant, writer)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "up to 1e+08" in errors[0], errors
+
+
+@pytest.mark.parametrize("bad", ["k and v dtypes", "k shape", "q shape", "device"])
+def test_the_engine_step_refuses_tensors_it_cannot_read(bad):
+    """The fused C engine step reads q, k and v by pointer: k and v of two dtypes (one ``x_dtype``), a k or q of
+    another shape, tensors off the CPU are refused by name before any pointer is taken, nothing written."""
+    from qsinkkv.engine_pages import EngineStep, LayerPools, PageLayout, step_tables
+    from qsinkkv.layout import WindowLayout
+    from qsinkkv.ops import select_ops
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
+    layout, pl, Hkv = WindowLayout(cfg), PageLayout.of(cfg, 2, D), 2
+    buf = torch.zeros(1 + 2 * (pl.pinned + 3), pl.page_bytes, dtype=torch.uint8)
+    table = 1 + torch.arange(2 * (pl.pinned + 3)).view(2, -1)
+    ops = select_ops("c", torch.device("cpu"), D, None)
+    layer = LayerPools(pl.views(buf))
+    g = torch.Generator().manual_seed(3)
+
+    def step(held, lens, q, k, v):
+        tables = step_tables(pl, table, held, lens)
+        return EngineStep(layout, held, lens, tables).attend(ops, layer, q, k, v)
+
+    step(torch.tensor([0, 0]), torch.tensor([12, 10]), *(torch.randn(22, h, D, generator=g) for h in (4, Hkv, Hkv)))
+    q, k, v = (torch.randn(2, h, D, generator=g) for h in (4, Hkv, Hkv))
+    if bad == "k and v dtypes":
+        v = v.to(torch.bfloat16)
+    elif bad == "k shape":
+        k = torch.randn(2, Hkv + 1, D, generator=g)
+    elif bad == "q shape":
+        q = torch.randn(2, 3, D, generator=g)
+    else:
+        q, k, v = (x.to("meta") for x in (q, k, v))
+    before = buf.clone()
+    with trace.recording() as ran, pytest.raises(ValueError, match={
+            "k and v dtypes": "k and v of one such dtype", "device": "reads CPU tensors"}.get(bad, "must be")):
+        step(torch.tensor([12, 10]), torch.tensor([1, 1]), q, k, v)
+    assert torch.equal(buf, before) and ran == []

@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
+from helpers import rel
 
-from qsinkkv import CacheConfig
+from qsinkkv import CacheConfig, trace
 from qsinkkv.engine_pages import (
     EngineStep,
     LayerPools,
@@ -134,9 +135,10 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
         if through.startswith("EngineStep"):
             engine_step = EngineStep(layout, before, lens, tables)
             into = torch.full(q.shape, float("nan"), dtype=torch.bfloat16) if through.endswith("bf16") else None
-            out = engine_step.attend(ops, layer, q, k, v, out=into)
+            with trace.recording() as ran:
+                out = engine_step.attend(ops, layer, q, k, v, out=into)
             assert into is None or out is into
-            fused += engine_step.fused_layers
+            fused += ("engine_step", "c") in ran
         else:
             read, store = storages(layer, layout, tables, before)
             out = attend_packed(ops, read, store, q, k, v, qsl)
@@ -240,9 +242,9 @@ def test_refused_step_changes_no_page_ring_or_length():
 @pytest.mark.parametrize("bad", ["k", "v", "q", "scale", "out"])
 def test_a_refused_decode_step_runs_the_named_refusal(bad):
     """A decode step (every row one token) that the fused C path refuses -- non-finite k, v or q, or a block
-    whose scale overflows fp16 -- writes nothing there and falls to ``attend_packed``, which raises by name:
-    every page byte (float pages included) and the lengths stay as they were. An output buffer it cannot write
-    (float64) is refused by name before anything is written."""
+    whose scale overflows fp16 -- raises by name (``checks.values``' error, ``quant.scale_overflow``'s), having
+    written nothing: every page byte (float pages included) and the lengths stay as they were; no other kernel
+    ran. An output buffer it cannot write (float64) is refused by name before anything is written."""
     if not select_ops("auto", torch.device("cpu"), D, None).engine_decode:
         pytest.skip("no C decode")
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
@@ -271,9 +273,11 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
     step(torch.tensor([0, 0]), torch.tensor([12, 10]))   # prompts (row 1 completes a block with its next token)
     held = torch.tensor([12, 10])
     before = buf.clone()
-    with pytest.raises(ValueError, match={"scale": "overflow scale_dtype", "out": "out must be"}.get(bad, bad)):
+    with trace.recording() as ran, \
+            pytest.raises(ValueError, match={"scale": "overflow scale_dtype", "out": "out must be"}.get(bad, bad)):
         step(held, torch.tensor([1, 1]), poison=bad)
     assert torch.equal(buf, before)
+    assert ran == [("engine_step", "c")], ran
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -312,10 +316,11 @@ def test_one_decode_step_over_many_layers_equals_each_alone(bits):
             copy = bufs[layer].clone()
             read, store = storages(LayerPools(pl.views(copy)), layout, tables, held)
             expect = attend_packed(ops, read, store, q, k, v, qsl, scale=0.3)
-            out = engine_step.attend(ops, layers[layer], q, k, v, scale=0.3)
+            with trace.recording() as ran:
+                out = engine_step.attend(ops, layers[layer], q, k, v, scale=0.3)
+            fused += ran == [("engine_step", "c")]
             assert torch.equal(out, expect), f"layer {layer}, lens {lens.tolist()}"
             assert torch.equal(bufs[layer], copy)
-        fused += engine_step.fused_layers
         held = held + lens
     assert fused == 20 * L
 
@@ -362,9 +367,10 @@ def test_a_block_table_past_the_pool_is_refused_before_any_page_is_touched(throu
     assert torch.equal(raw, written)
 
 
-def test_the_triton_decode_refuses_float_blocks_of_another_size():
-    """An engine's float pages hold fewer rows than a block: the Triton decode (which indexes blocks of block_size
-    rows) refuses such a storage by name rather than read it wrong; the torch decode reads it."""
+def test_the_triton_decode_reads_float_pages_of_another_size():
+    """An engine's float pages hold fewer rows than a block: the Triton decode reads them through their strides (as
+    the C and torch decodes do), equal to the reference (tests/test_kernels_pages.py covers the layouts in depth)."""
+    from qsinkkv.decode import decode_attention_reference
     from qsinkkv.kernels.decode_attention import decode_attention
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
     layout, pl = WindowLayout(cfg), PageLayout.of(cfg, Hkv, D)
@@ -376,5 +382,7 @@ def test_the_triton_decode_refuses_float_blocks_of_another_size():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(12, h, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
     attend_packed(select_ops("torch", torch.device("cpu"), D, None), read, store, q, k, v, torch.tensor([0, 12]))
-    with pytest.raises(ValueError, match="float blocks of block_size=8 rows"):
-        decode_attention(q[:1], store)
+    with trace.recording() as ran:
+        out = decode_attention(q[:1], store)
+    assert ran == [("decode", "triton")]
+    assert rel(out, decode_attention_reference(q[:1], store)) < 1e-5

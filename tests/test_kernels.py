@@ -55,6 +55,18 @@ def tol(variant):
     return max(KERNEL_TOL, FP16_TOL) if variant == "fp16" else KERNEL_TOL
 
 
+def decode_or_refused(q, layer, variant, **kwargs):
+    """``decode(q, layer, variant=variant, ...)``, or None where the variant cannot read this layout's blocks: "folded"
+    and "fp16" fold a value group's scale out of each half of the head (``value_group_size`` a multiple of
+    ``head_dim // 2``, or bits=16: no quantized block), and elsewhere are refused by name (checked here)."""
+    cfg = layer.layout.config
+    if variant != "dequantize" and cfg.bits != 16 and cfg.value_group_size % (layer.head_dim // 2):
+        with pytest.raises(ValueError, match=rf"variant='{variant}' folds each value group's scale out of a half"):
+            decode(q, layer, variant=variant, **kwargs)
+        return None
+    return decode(q, layer, variant=variant, **kwargs)
+
+
 # --- block quantize + pack: codes, scales and zeros bit-identical ----------------------------
 
 @settings(max_examples=25, deadline=None)
@@ -128,7 +140,10 @@ def test_decode_matches_reference(variant, case, rope):
             decode(q.to(DEVICE), dev_layer, rotary=rotary, variant=variant)
         return
     for splits in (1, 3):
-        out = decode(q.to(DEVICE), dev_layer, rotary=rotary, num_splits=splits, variant=variant).cpu()
+        out = decode_or_refused(q.to(DEVICE), dev_layer, variant, rotary=rotary, num_splits=splits)
+        if out is None:
+            return
+        out = out.cpu()
         assert torch.isfinite(out).all()
         assert rel_rms(out, ref) < tol(variant), f"splits={splits}: {rel_rms(out, ref):.2e}"
 
@@ -141,8 +156,10 @@ def test_decode_gqa_and_sink_logits(variant, G):
     logits = torch.randn(2 * G) * 2
     for sink_logits in (None, logits):
         ref = decode_attention_reference(q, layer, sink_logits=sink_logits)
-        out = decode(q.to(DEVICE), layer.to(DEVICE), sink_logits=None if sink_logits is None else
-                     sink_logits.to(DEVICE), num_splits=2, variant=variant)
+        out = decode_or_refused(q.to(DEVICE), layer.to(DEVICE), variant, sink_logits=None if sink_logits is None
+                                else sink_logits.to(DEVICE), num_splits=2)
+        if out is None:
+            return
         assert rel_rms(out.cpu(), ref) < tol(variant)
     no_logits = decode_attention_reference(q, layer)
     assert rel_rms(no_logits, ref) > 1e-3  # the logits do change the output
@@ -279,8 +296,8 @@ def test_decode_value_groups_across_the_halves(variant, bits, head_dim, group):
     q = torch.randn(2, 6, head_dim, generator=g)
     ref = decode_attention_reference(q, layer)
     assert rel_rms(decode_attention_torch(q, layer), ref) < 1e-5
-    out = decode(q.to(DEVICE), layer.to(DEVICE), num_splits=2, variant=variant).cpu()
-    assert rel_rms(out, ref) < tol(variant)
+    out = decode_or_refused(q.to(DEVICE), layer.to(DEVICE), variant, num_splits=2)
+    assert out is None or rel_rms(out.cpu(), ref) < tol(variant)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -314,8 +331,8 @@ def test_decode_positions_past_2_31(variant, bits):
     ref = decode_attention_reference(q, layer)
     assert ref.abs().amax() > 0.1
     assert rel_rms(decode_attention_torch(q, layer), ref) < 1e-5
-    out = decode(q.to(DEVICE), layer.to(DEVICE), num_splits=2, variant=variant).cpu()
-    assert rel_rms(out, ref) < tol(variant)
+    out = decode_or_refused(q.to(DEVICE), layer.to(DEVICE), variant, num_splits=2)
+    assert out is None or rel_rms(out.cpu(), ref) < tol(variant)
 
 
 def test_decode_sink_logits_any_layout(variant):
@@ -326,7 +343,9 @@ def test_decode_sink_logits_any_layout(variant):
     for logits in ((torch.randn(12) * 3)[::2], torch.tensor(1.5).expand(6), torch.randn(6, 2)[:, 1]):
         assert not logits.is_contiguous()
         ref = decode_attention_reference(q, layer, sink_logits=logits.contiguous())
-        out = decode(q.to(DEVICE), layer.to(DEVICE), sink_logits=logits.to(DEVICE), num_splits=2, variant=variant)
+        out = decode_or_refused(q.to(DEVICE), layer.to(DEVICE), variant, sink_logits=logits.to(DEVICE), num_splits=2)
+        if out is None:
+            return
         assert rel_rms(out.cpu(), ref) < tol(variant)
 
 
@@ -475,6 +494,16 @@ def test_decode_variant_is_an_argument():
         select_ops("torch", dev, D, None, decode_variant=None)
     with pytest.raises(ValueError, match=r"decode_variant='fp16' needs positions='absolute'"):
         select_ops("triton", dev, D, ROT, decode_variant="fp16")
+    # a variant that cannot fold the config's value groups is refused at construction (it used to run "dequantize")
+    halves = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=D // 4)
+    for name in ("folded", "fp16"):
+        with pytest.raises(ValueError, match=rf"decode_variant='{name}' folds each value group's scale out of a "
+                                             rf"half of the head: it needs value_group_size a multiple of "
+                                             rf"head_dim // 2 = {D // 2}"):
+            SinkQuantCache(halves, 1, 2, 2, D, dtype=torch.float32, backend="triton", device=DEVICE,
+                           decode_variant=name)
+    assert select_ops("triton", dev, D, None, decode_variant="folded",
+                      config=dataclasses.replace(halves, bits=16)).backend == "triton"  # no quantized block
     from qsinkkv import decode_c
     for backend in ("torch", "c") if decode_c.available()[0] else ("torch",):
         assert select_ops(backend, torch.device("cpu"), D, None, decode_variant="dequantize").backend == backend

@@ -35,7 +35,9 @@ def test_long_prefill_reads_only_what_each_tile_sees(rope):
 def test_torch_prefill_equals_the_reference(bits, S, W, bs):
     """The torch backend's prefill (SDPA per tile under the visible set as a mask) against the reference
     and its float64 run, on a ragged chunk into rows holding different lengths, with NaN in the padding,
-    tiles past the window (T > 256) and a scale of its own; sink logits take the reference."""
+    tiles past the window (T > 256), a scale of its own and sink logits (SDPA's too: one more key): the torch
+    kernel ran, not the reference."""
+    from qsinkkv import trace
     from qsinkkv.prefill import prefill_attention_reference, prefill_attention_torch
     cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=4)
     cache = SinkQuantCache(cfg, 1, 3, HKV, D, dtype=torch.float32)
@@ -49,7 +51,9 @@ def test_torch_prefill_equals_the_reference(bits, S, W, bs):
         ref = prefill_attention_reference(q, k, v, layer, lengths, **kw)
         ref64 = prefill_attention_reference(q.double(), k.double(), v.double(), layer, lengths,
                                             **{n: x.double() if torch.is_tensor(x) else x for n, x in kw.items()})
-        got = prefill_attention_torch(q, k, v, layer, lengths, **kw)
+        with trace.recording() as ran:
+            got = prefill_attention_torch(q, k, v, layer, lengths, **kw)
+        assert ran == [("prefill", "torch")], ran
         assert torch.isfinite(got).all()
         assert rel(got, ref) < 1e-5 and rel(got, ref64) < 1e-5, kw
 

@@ -158,7 +158,7 @@ class QSinkKVCache(Cache):
         self.config, self.model_config, self.backend = config, model_config, backend
         self.decode_variant = decode_variant  # the storage's (SinkQuantCache); a pool has its own
         self.rotary = rotary_from_config(text) if config.positions == "cache_index" else None
-        check_decode_variant(decode_variant, backend, self.rotary)  # before any storage: a clear error now
+        check_decode_variant(decode_variant, backend, self.rotary, config, _head_dim(text))  # a clear error now
         self.num_layers = text.num_hidden_layers
         self.inner: SinkQuantCache | None = None
         if pool is not None:

@@ -38,9 +38,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
-from ... import decode_c, write
+from ... import decode_c, trace, write
 from ...engine_pages import PageLayout
 from ...layout import visible_mask
+from ...ops import resolve_backend
 from ...step import token_positions
 from . import state
 from .quantized import QuantImpl, QuantMetadataBuilder, impl_config
@@ -183,9 +184,9 @@ class QSinkKVImpl(AttentionImpl):
         self.group = num_heads // num_kv_heads
         self.sink_dtype, self.window_dtype = cfg.sink_dtype, cfg.window_dtype
         # the decode: qsinkkv's C decode over the pages on the CPU (where it compiles), else torch (chosen once)
-        device = state.current_vllm_config().device_config.device
-        self.c_decode = (torch.device(device).type == "cpu" and head_size <= decode_c.MAX_HEAD_DIM
-                         and decode_c.available()[0])
+        vllm_config = state.current_vllm_config()
+        device = torch.device(vllm_config.device_config.device)
+        self.c_decode = resolve_backend("auto", device, head_size, None, vllm_config.model_config.dtype) == "c"
         self.store_rows = decode_c.store_rows_c if self.c_decode else write.store_rows  # the same bits
         self.every_block = None
 
@@ -233,8 +234,9 @@ class QSinkKVImpl(AttentionImpl):
         """The decode rows' attention ``[Bd, H, D]`` (C: in q's dtype; torch: float32), or written into ``out`` (the
         engine's output rows, rounded as ``.to()`` rounds) and returned."""
         Bd, nb = md.dec_blocks.shape
-        if self.c_decode and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if self.c_decode:  # (q in one of supported_dtypes: the C decode reads each)
             return md.dec_c.run(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale, out=out)
+        trace.ran("decode", "torch")
         Hkv, G, D = self.num_kv_heads, self.group, self.head_size
         read = lambda cache: cache[md.dec_blocks].transpose(1, 2).reshape(Bd, Hkv, -1, D).float()  # noqa: E731
         qh = q.float().view(Bd, Hkv, G, D) * self.scale
@@ -243,6 +245,7 @@ class QSinkKVImpl(AttentionImpl):
         return result if out is None else out.copy_(result)
 
     def _prefill(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, mask: Tensor) -> Tensor:
+        trace.ran("prefill", "torch")
         D = self.head_size
         read = lambda cache: cache[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, D).float()  # noqa: E731
         out = F.scaled_dot_product_attention(q.float().transpose(0, 1), read(key_cache), read(value_cache),

@@ -81,7 +81,7 @@ class QuantImpl(AttentionImpl):
         self.pages = PageLayout.of(cfg, num_kv_heads, head_size)
         device = torch.device(vllm_config.device_config.device)
         backend = "auto" if device.type == "cpu" else "torch"
-        self.ops = select_ops(backend, device, head_size, None)
+        self.ops = select_ops(backend, device, head_size, None, dtype=vllm_config.model_config.dtype)
         self._layer = None  # (kv_cache data_ptr, the LayerPools over it)
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,

@@ -644,18 +644,22 @@ typedef struct {
     int64_t x_dtype, x_stride;
     void *pool_k, *pool_v;       /* [H, blocks, rows_per_block, D] of pool_dtype, each block's rows D apart */
     int64_t pool_dtype, head_stride, block_stride, rows_per_block;  /* strides in elements (the two pools alike) */
+    int64_t num_blocks;          /* blocks of each pool: a table entry past them is refused */
     const int64_t *table;        /* table[seq * table_st0 + (r / rows_per_block) * table_st1]: the block */
     int64_t table_st0, table_st1;
     const int64_t *at, *seqs, *ring_rows;  /* [n]: token i is x[at[i]], goes to row ring_rows[i] of sequence seqs[i] */
 } Store;
 
-/* Returns 0, -1 when head_dim is beyond the fixed arrays, or -5 (nothing written) when the table names no block
- * (-1) for a row. */
+/* Returns 0, -1 when head_dim is beyond the fixed arrays, -5 (nothing written) when the table names no block (-1)
+ * for a row, -6 (nothing written) when it names one past the pools. */
 int qsinkkv_store_rows(const Store *s) {
     if (s->D > MAX_D || s->D < 1) return -1;
     const int64_t xe = elem_bytes(s->x_dtype), pe = elem_bytes(s->pool_dtype);
-    for (int64_t i = 0; i < s->n; i++)  /* a row the table gives no block: refused before anything is written */
-        if (s->table[s->seqs[i] * s->table_st0 + (s->ring_rows[i] / s->rows_per_block) * s->table_st1] < 0) return -5;
+    for (int64_t i = 0; i < s->n; i++) {  /* every row's block checked before anything is written */
+        const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (s->ring_rows[i] / s->rows_per_block) * s->table_st1];
+        if (blk < 0) return -5;
+        if (blk >= s->num_blocks) return -6;
+    }
     for (int64_t i = 0; i < s->n; i++) {
         const int64_t r = s->ring_rows[i], rpb = s->rows_per_block;
         const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (r / rpb) * s->table_st1];
@@ -834,7 +838,8 @@ static const Field ARGS_FIELDS[] = {
 static const Field STORE_FIELDS[] = {
     FIELD(Store, n), FIELD(Store, H), FIELD(Store, D), FIELD(Store, x_k), FIELD(Store, x_v), FIELD(Store, x_dtype),
     FIELD(Store, x_stride), FIELD(Store, pool_k), FIELD(Store, pool_v), FIELD(Store, pool_dtype),
-    FIELD(Store, head_stride), FIELD(Store, block_stride), FIELD(Store, rows_per_block), FIELD(Store, table),
+    FIELD(Store, head_stride), FIELD(Store, block_stride), FIELD(Store, rows_per_block), FIELD(Store, num_blocks),
+    FIELD(Store, table),
     FIELD(Store, table_st0), FIELD(Store, table_st1), FIELD(Store, at), FIELD(Store, seqs), FIELD(Store, ring_rows)};
 static const Field COMPLETE_FIELDS[] = {
     FIELD(Complete, n), FIELD(Complete, x_k), FIELD(Complete, x_v), FIELD(Complete, x_dtype),

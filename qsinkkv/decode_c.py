@@ -64,7 +64,8 @@ class _Store(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")]
                 + [("x_dtype", ctypes.c_int64), ("x_stride", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("pool_k", "pool_v")]
-                + [(n, ctypes.c_int64) for n in ("pool_dtype", "head_stride", "block_stride", "rows_per_block")]
+                + [(n, ctypes.c_int64) for n in ("pool_dtype", "head_stride", "block_stride", "rows_per_block",
+                                                 "num_blocks")]
                 + [("table", ctypes.c_void_p), ("table_st0", ctypes.c_int64), ("table_st1", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("at", "seqs", "ring_rows")])
 
@@ -469,7 +470,8 @@ def _store_struct(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: T
     return _Store(n=index[0].shape[0], H=k.shape[1], D=k.shape[2], x_k=k.data_ptr(), x_v=v.data_ptr(),
                   x_dtype=_DTYPES[k.dtype], x_stride=stride, pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(),
                   pool_dtype=_DTYPES[pool_k.dtype], head_stride=pool_k.stride(0), block_stride=pool_k.stride(1),
-                  rows_per_block=rows_per_block, table=table2.data_ptr(), table_st0=table2.stride(0),
+                  rows_per_block=rows_per_block, num_blocks=min(pool_k.shape[1], pool_v.shape[1]),
+                  table=table2.data_ptr(), table_st0=table2.stride(0),
                   table_st1=table2.stride(1), at=index[0].data_ptr(), seqs=index[1].data_ptr(),
                   ring_rows=index[2].data_ptr())
 
@@ -477,7 +479,7 @@ def _store_struct(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: T
 def _store_refusal(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor) -> str | None:
     """Why the C row write cannot serve these tensors, or None."""
     D = k.shape[2]
-    if any(t.device.type != "cpu" for t in (pool_k, pool_v, table, k, v)):
+    if not (pool_k.is_cpu and pool_v.is_cpu and table.is_cpu and k.is_cpu and v.is_cpu):
         return "needs CPU tensors"
     if (pool_k.stride(3), pool_k.stride(2)) != (1, D) or pool_k.stride() != pool_v.stride():
         return (f"needs pools whose blocks' rows are D={D} elements apart, one layout for K and V; got strides "
@@ -501,15 +503,26 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
     if why:
         raise ValueError(f"the C row write {why}")
     trace.ran("write_rows", "c")
-    checks.table("table", table, min(pool_k.shape[1], pool_v.shape[1]), "pool_k and pool_v")
     keep = []
     s = _store_struct(pool_k, pool_v, table, k, v, [t.contiguous() for t in (at, seqs, ring_rows)], rows_per_block,
                       keep)
-    code = _lib.qsinkkv_store_rows(ctypes.byref(s))
-    if code == -5:
-        raise ValueError("table names no block (-1) for a row this write stores: nothing was written")
+    code = _lib.qsinkkv_store_rows(ctypes.byref(s))  # (it checks each row's table entry against the pools first)
     if code:
-        raise RuntimeError(f"the C row write failed (code {code})")
+        raise _store_error(code, table, seqs, ring_rows, rows_per_block, s.num_blocks, "the C row write")
+
+
+def _store_error(code: int, table: Tensor, seqs: Tensor, ring_rows: Tensor, rows_per_block: int, num_blocks: int,
+                 what: str) -> Exception:
+    """The error of a refused row write (``qsinkkv_store_rows``' code), naming the table entries it refused."""
+    table2 = table if table.dim() == 2 else table.unsqueeze(1)
+    used = table2[seqs.to(table.device), ring_rows.to(table.device) // rows_per_block].cpu()
+    bad = sorted(set(used[(used < -1) | (used >= num_blocks)].tolist()))
+    if code in (-5, -6) and bad:
+        return ValueError(f"table must name blocks of pool_k and pool_v in [0, {num_blocks}) for the rows this write "
+                          f"stores, got {bad}: nothing was written")
+    if code == -5:
+        return ValueError("table names no block (-1) for a row this write stores: nothing was written")
+    return RuntimeError(f"{what} failed (code {code})")
 
 
 def _complete_struct(s: LayerStorage, k: Tensor, v: Tensor, index: list, keep: list) -> _Complete:

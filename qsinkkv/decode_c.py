@@ -286,7 +286,7 @@ class BlocksDecode:
                              f"and {v_pool.dtype}")
         if self.least < -1 or self.most >= k_pool.shape[1] or v_pool.shape[1] != k_pool.shape[1]:
             checks.table("block_table", self.table, min(k_pool.shape[1], v_pool.shape[1]), "k_pool and v_pool")
-        if any(t.device.type != "cpu" for t in (q, k_pool, v_pool)):
+        if not (q.is_cpu and k_pool.is_cpu and v_pool.is_cpu):
             raise ValueError(f"the C decode reads CPU tensors, got q, k_pool and v_pool on {q.device}, "
                              f"{k_pool.device} and {v_pool.device}")
         _check_out(out, q)
@@ -296,17 +296,17 @@ class BlocksDecode:
         pointers, strides, pools_lie = _pools(_blocks_pools(k_read, v_read), keep)
         qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
         out = torch.empty(B, H, D, dtype=qr.dtype) if out is None else out
-        lies = (pools_lie, qr.shape, q_stride, qr.dtype, out.dtype, scale)
+        lies = (pools_lie, k_pool.dtype, qr.shape, q_stride, qr.dtype, out.dtype, scale)
         if self._template is None or self._template[0] != lies:
-            dt = _DTYPES[k_pool.dtype]
+            dt, table = _DTYPES[k_pool.dtype], self.table.data_ptr()  # (the step's own: set with the template)
             a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
                       float_rows=nb * bs, fr=bs, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt,
-                      q_dtype=_DTYPES[qr.dtype], q_stride=q_stride, scale=scale, out_dtype=_DTYPES[out.dtype])
+                      sink_table=table, float_table=table, quant_table=table, bias=self.bias.data_ptr(),
+                      sink_logits=None, q_dtype=_DTYPES[qr.dtype], q_stride=q_stride, scale=scale,
+                      out_dtype=_DTYPES[out.dtype])
             self._template = (lies, a)
         a = self._template[1]
-        table = self.table.data_ptr()
-        _point(a, dict(pointers, sink_table=table, float_table=table, quant_table=table, q=qr.data_ptr(),
-                       bias=self.bias.data_ptr(), sink_logits=None, out=out.data_ptr()))
+        _point(a, **pointers, q=qr.data_ptr(), out=out.data_ptr())
         _decode_units(a, Hkv * B, nb * bs * D)
         return out
 
@@ -375,23 +375,29 @@ def _check_tables(s: LayerStorage) -> None:
     checks.table("quant_table", s.quant_table, s.key_codes.shape[1], "its pool (quant blocks)")
 
 
-# the pointer fields of each C struct: set at every call (``_point``), never kept from an earlier one
+# The pointer fields of each C struct, in two kinds. A struct kept as the template of a step's later layers holds
+# pointers only into what the step itself owns (its tables, visible bias, write plan: alive as long as the step);
+# every pointer into a caller's tensors (a layer's pools, q, k, v, out) is set at each call, by ``_point``.
 _POINTERS = {struct: frozenset(name for name, ctype in struct._fields_ if ctype is ctypes.c_void_p)
              for struct in (_Args, _Store, _Complete)}
+_PER_CALL = {_Args: frozenset(_POOLS) | {"q", "out"}, _Complete: frozenset({"x_k", "x_v"}),
+             _Store: frozenset({"x_k", "x_v", "pool_k", "pool_v"})}
+_STEP_OWNED = {_Args: frozenset({"sink_table", "float_table", "quant_table", "bias", "sink_logits"}),
+               _Complete: frozenset({"at", "seqs", "blocks", "first_new"}),
+               _Store: frozenset({"table", "at", "seqs", "ring_rows"})}
 
 
-def _point(struct: ctypes.Structure, pointers: dict) -> None:
-    """Set every pointer field of ``struct`` (a template kept for a step's later layers) to ``pointers`` (name ->
-    address, or None), read from this call's tensors: all of them, or raise (a field left out would keep an
-    earlier call's address)."""
-    if pointers.keys() != _POINTERS[type(struct)]:
-        raise RuntimeError(f"{type(struct).__name__}: pointers {sorted(pointers)} are not its pointer fields "
-                           f"{sorted(_POINTERS[type(struct)])}")
-    for name, address in pointers.items():
+def _point(struct: ctypes.Structure, **addresses: int) -> None:
+    """Set the pointers of ``struct`` into this call's tensors: exactly ``_PER_CALL``'s fields, or raise (one left out
+    would keep an earlier call's address)."""
+    if addresses.keys() != _PER_CALL[type(struct)]:
+        raise RuntimeError(f"{type(struct).__name__}: pointers {sorted(addresses)} are not its per-call fields "
+                           f"{sorted(_PER_CALL[type(struct)])}")
+    for name, address in addresses.items():
         setattr(struct, name, address)
 
 
-_POOL_LAYOUTS: dict = {}  # (shape, stride, dtype) of the pools -> (which are copied, the struct's strides): no address
+_POOL_LAYOUTS: dict = {}  # (shape, stride) of the pools -> (which are copied, the struct's strides): no address
 
 
 def _pools(tensors: list[Tensor], keep: list, in_place: bool = False) -> tuple[dict, ctypes.Array, tuple]:
@@ -400,7 +406,7 @@ def _pools(tensors: list[Tensor], keep: list, in_place: bool = False) -> tuple[d
     strides: an engine's pages, a view, are read in place), another through a contiguous copy (alive in ``keep``;
     ``in_place``: refused, as a write into the copy would not reach the pool). The addresses are read at each call;
     what follows from the shapes and strides alone is computed once per layout."""
-    lie = tuple((t.shape, t.stride(), t.dtype) for t in tensors)
+    lie = tuple((t.shape, t.stride()) for t in tensors)  # (their dtypes: the config's, the storage's one holder)
     layout = _POOL_LAYOUTS.get(lie)
     if layout is None:
         copied = tuple(not _blocks_contiguous(t) for t in tensors)
@@ -606,8 +612,9 @@ class EngineDecode:
                                        for name in ("sink_table", "float_table", "quant_table")})
         self.layout = layout
         # the first layer's C structs, the template of the later layers whose tensors lie the same way (every layer
-        # of an engine has pools of one shape: building three structs per layer cost ~30 us): their sizes, strides
-        # and dtypes; every pointer is set afresh at each call (_point)
+        # of an engine has pools of one shape: building three structs per layer cost ~30 us): their sizes, strides,
+        # dtypes and pointers into this step's own tensors; those into a layer's pools, q, k, v and out are set at
+        # each call (_point)
         self._template = None
 
     def run(self, layer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
@@ -626,7 +633,7 @@ class EngineDecode:
         if q.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype != k.dtype:
             raise ValueError(f"the C engine step reads float32, bfloat16 or float16 q, and k and v of one such dtype; "
                              f"got {q.dtype}, {k.dtype} and {v.dtype}")
-        if any(t.device.type != "cpu" for t in (q, k, v, pool_tensors[0])):
+        if not (q.is_cpu and k.is_cpu and v.is_cpu and pool_tensors[0].is_cpu):
             raise ValueError(f"the C engine step reads CPU tensors, got q, k, v and the pools on {q.device}, "
                              f"{k.device}, {v.device} and {pool_tensors[0].device}")
         _check_out(out, q)
@@ -648,15 +655,10 @@ class EngineDecode:
                                store.float_k.shape[2], keep)
             self._template = (lies, a, c, st, window_bound(self.layout.config, k.dtype))
         _, a, c, st, bound = self._template
-        pointers, s, at = pools[0], self.store, self.index
-        _point(a, dict(pointers, sink_table=s.sink_table.data_ptr(), float_table=s.float_table.data_ptr(),
-                       quant_table=s.quant_table.data_ptr(), q=q_rows.data_ptr(), bias=self.bias.data_ptr(),
-                       sink_logits=None, out=out.data_ptr()))
-        _point(c, dict(x_k=k_rows.data_ptr(), x_v=v_rows.data_ptr(), at=at[0].data_ptr(), seqs=at[1].data_ptr(),
-                       blocks=at[2].data_ptr(), first_new=at[3].data_ptr()))
-        _point(st, dict(x_k=k_rows.data_ptr(), x_v=v_rows.data_ptr(), pool_k=pointers["float_k"],
-                        pool_v=pointers["float_v"], table=s.float_table.data_ptr(), at=at[4].data_ptr(),
-                        seqs=at[5].data_ptr(), ring_rows=at[6].data_ptr()))
+        pointers, x_k, x_v = pools[0], k_rows.data_ptr(), v_rows.data_ptr()
+        _point(a, **pointers, q=q_rows.data_ptr(), out=out.data_ptr())
+        _point(c, x_k=x_k, x_v=x_v)
+        _point(st, x_k=x_k, x_v=x_v, pool_k=pointers["float_k"], pool_v=pointers["float_v"])
         code = _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound)
         if code == -4:  # a value the checks refuse: checks.values names it
             self._refuse(q, k, v)

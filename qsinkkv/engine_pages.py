@@ -31,6 +31,7 @@ Imports the qsinkkv core only (no engine).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -191,10 +192,12 @@ def step_tables(pages: PageLayout, block_table: Tensor, held: Tensor, lens: Tens
 
 class LayerPools:
     """One layer's storage in an engine, for the engine's life: the pools over its pages (``PageLayout.views``: every
-    ``LayerStorage`` pool, the float ring's included, a view of the same pages)."""
+    ``LayerStorage`` pool, the float ring's included, a view of the same pages), fixed once made (a read-only
+    mapping)."""
+    __slots__ = ("pools",)
 
     def __init__(self, pages: dict[str, Tensor]):
-        self.pools = dict(pages)  # every LayerStorage pool, by name
+        self.pools = MappingProxyType(dict(pages))  # every LayerStorage pool, by name
 
     @property
     def num_pages(self) -> int:

@@ -554,3 +554,13 @@ def test_the_engine_step_refuses_tensors_it_cannot_read(bad):
             "k and v dtypes": "k and v of one such dtype", "device": "reads CPU tensors"}.get(bad, "must be")):
         step(torch.tensor([12, 10]), torch.tensor([1, 1]), q, k, v)
     assert torch.equal(buf, before) and ran == []
+
+
+def test_every_pointer_of_a_kept_struct_is_either_set_per_call_or_the_steps_own():
+    """A struct kept as a step's template holds pointers only into the step's own tensors; every other pointer field
+    is set at each call (``_point`` refuses a call that leaves one out): the two sets split every pointer field."""
+    for struct in (decode_c._Args, decode_c._Store, decode_c._Complete):
+        per_call, owned = decode_c._PER_CALL[struct], decode_c._STEP_OWNED[struct]
+        assert per_call | owned == decode_c._POINTERS[struct] and not per_call & owned, struct.__name__
+    with pytest.raises(RuntimeError, match="are not its per-call fields"):
+        decode_c._point(decode_c._Complete(), x_k=1)

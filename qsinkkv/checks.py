@@ -6,6 +6,7 @@ Shapes, dtypes, devices and counts first (``chunk``, ``packed``, ``per_sequence`
 it is stored in, reaches a block (it would poison the block's scales), with one device sync per call."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -369,6 +370,7 @@ def overflow_bound(dtype: torch.dtype, source: torch.dtype) -> float:
     return fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2
 
 
+@functools.lru_cache(maxsize=64)  # (a pure function of its arguments, asked at every step of every layer)
 def window_bound(config: CacheConfig, source: torch.dtype) -> float:
     """|x| of a ``source`` value at or above this is refused for the window, when it arrives: it would be inf once
     cast to ``window_dtype``, or (bits 8/4) its block's quantization would overflow ``scale_dtype`` whatever the

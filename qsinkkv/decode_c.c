@@ -349,11 +349,13 @@ typedef struct {
      * engine's pages: the rows a page holds), float_slots blocks a sequence: ring row r is row r % fr of block
      * float_table[b, r / fr] */
     int64_t float_rows, fr;
+    /* blocks of the sink, float and quantized pools: every table entry a call reads is checked against them first */
+    int64_t sink_blocks, float_blocks, quant_blocks;
     /* pools [Hkv, blocks, ...], addressed through the strides `st` at the end */
     const void *sink_k, *sink_v, *float_k, *float_v, *key_scale, *key_zero, *value_scale, *value_zero;
     const uint8_t *key_codes, *value_codes;
     int64_t sink_dtype, window_dtype, scale_dtype;
-    /* tables: sink [B], float [B, float_slots], quant [B, quant_slots] (int64, -1: none; checked by the caller) */
+    /* tables: sink [B], float [B, float_slots], quant [B, quant_slots] (int64, -1: none; checked by tables_fit) */
     const int64_t *sink_table, *float_table, *quant_table;
     const void *q;             /* [B, Hkv * G, D] of q_dtype, rows of D contiguous, tokens q_stride elements apart */
     const float *bias;         /* [B, N] float32: 0 seen, -inf not */
@@ -563,8 +565,28 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
 }
 
 /* Returns 0, or -1 when a size is beyond this file's fixed arrays, or -2 when out of memory. */
+/* Every table entry a call may read names a block of its pool or -1 (none): else -6, before any pool is touched.
+ * (A table is input: an entry past its pool would read or write outside it.) */
+static int tables_fit(const Args *a) {
+    for (int64_t b = 0; b < a->B; b++) {
+        if (a->S > 0 && (a->sink_table[b] < -1 || a->sink_table[b] >= a->sink_blocks)) return -6;
+        for (int64_t j = 0; j < a->float_slots; j++) {
+            const int64_t blk = a->float_table[b * a->float_slots + j];
+            if (blk < -1 || blk >= a->float_blocks) return -6;
+        }
+        for (int64_t j = 0; j < a->quant_slots; j++) {
+            const int64_t blk = a->quant_table[b * a->quant_slots + j];
+            if (blk < -1 || blk >= a->quant_blocks) return -6;
+        }
+    }
+    return 0;
+}
+
+/* Returns 0, -1 for sizes beyond the fixed arrays, -2 out of memory, -6 (nothing read) for a table entry past its
+ * pool. */
 int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     if (a->D > MAX_D || a->D < 1 || (a->groups && a->groups > MAX_D)) return -1;
+    if (tables_fit(a)) return -6;
     const int64_t N = a->S + a->quant_slots * a->bs + a->float_rows, Ns = (N + 15) / 16 * 16;
     if (a->fr < 1 || a->float_slots * a->fr < a->float_rows) return -1;
     const int64_t Dp = (a->D + LANES - 1) / LANES * LANES, R = a->S > a->bs ? a->S : a->bs, K = a->groups > 1 ? a->groups : 1;
@@ -730,7 +752,7 @@ typedef struct {
 /* Gather each completing block (its older rows from the float ring, the step's cast to the window dtype),
  * quantize keys per channel and values per token and channel group, then write codes and scales to the block's
  * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written: returns -5 (nothing
- * written) when the table names no page (-1) for a block, -3 (and
+ * written) when the table names no page (-1) for a block, -6 when a table entry is past its pool, -3 (and
  * writes nothing) when a scale or zero overflows the scale dtype; -1 for sizes beyond the fixed arrays; -2 out
  * of memory; else 0. */
 int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
@@ -740,6 +762,7 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     const int64_t we = elem_bytes(a->window_dtype), se = elem_bytes(a->scale_dtype);
     const int qmax = (1 << a->bits) - 1, sdt = (int)a->scale_dtype;
     if (D > MAX_D || D < 1 || K < 1 || nq < 1 || fr < 1) return -1;
+    if (tables_fit(a)) return -6;
     const int64_t per = H * bs * D;  /* one block, all heads: [H, bs, D] */
     float *x = malloc((size_t)(2 * per) * sizeof(float));
     uint8_t *codes = malloc((size_t)(c->n * 2 * per));
@@ -829,7 +852,8 @@ typedef struct { const char *name; int64_t offset, size, kind; } Field;
 static const Field ARGS_FIELDS[] = {
     FIELD(Args, Hkv), FIELD(Args, B), FIELD(Args, G), FIELD(Args, D), FIELD(Args, S), FIELD(Args, bs),
     FIELD(Args, quant_slots), FIELD(Args, float_slots), FIELD(Args, bits), FIELD(Args, groups),
-    FIELD(Args, float_rows), FIELD(Args, fr), FIELD(Args, sink_k), FIELD(Args, sink_v), FIELD(Args, float_k),
+    FIELD(Args, float_rows), FIELD(Args, fr), FIELD(Args, sink_blocks), FIELD(Args, float_blocks),
+    FIELD(Args, quant_blocks), FIELD(Args, sink_k), FIELD(Args, sink_v), FIELD(Args, float_k),
     FIELD(Args, float_v), FIELD(Args, key_scale), FIELD(Args, key_zero), FIELD(Args, value_scale),
     FIELD(Args, value_zero), FIELD(Args, key_codes), FIELD(Args, value_codes), FIELD(Args, sink_dtype),
     FIELD(Args, window_dtype), FIELD(Args, scale_dtype), FIELD(Args, sink_table), FIELD(Args, float_table),

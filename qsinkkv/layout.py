@@ -95,26 +95,27 @@ class WindowLayout:
         """Slots of one sequence, in ``slot_positions`` order: ``S + quant_slots * bs + float_rows``."""
         return self.sink_tokens + self.quant_slots * self.block_size + self.float_rows
 
-    # --- counts, as functions of the number of recent tokens m (ints or tensors) ------------
+    # --- counts, as functions of the number of recent tokens (ints or tensors) ------------
     def recent_count(self, seq_len):
-        """Recent tokens m of a sequence of ``seq_len`` tokens."""
+        """Recent tokens of a sequence of ``seq_len`` tokens (all past its sinks)."""
         return (seq_len - self.sink_tokens).clamp(min=0) if isinstance(seq_len, Tensor) else \
             max(seq_len - self.sink_tokens, 0)
 
-    def quantized_blocks(self, m):
-        """Blocks [0, q) are quantized (some may already be evicted)."""
-        excess = (m - self.unquantized_tokens).clamp(min=0) if isinstance(m, Tensor) else \
-            max(m - self.unquantized_tokens, 0)
+    def quantized_blocks(self, recent):
+        """With ``recent`` recent tokens, blocks [0, q) are quantized (some may already be evicted): q."""
+        excess = (recent - self.unquantized_tokens).clamp(min=0) if isinstance(recent, Tensor) else \
+            max(recent - self.unquantized_tokens, 0)
         return excess // self.block_size
 
-    def quantized_from(self, r):
-        """The recent count m from which recent token ``r`` (int or tensor) is held quantized:
-        the least m with ``quantized_blocks(m) > r // block_size`` (never reached with bits=16)."""
-        return (r // self.block_size + 1) * self.block_size + self.unquantized_tokens
+    def quantized_from(self, index):
+        """The recent count from which recent token ``index`` (int or tensor) is held quantized: the least count c
+        with ``quantized_blocks(c) > index // block_size`` (never reached with bits=16)."""
+        return (index // self.block_size + 1) * self.block_size + self.unquantized_tokens
 
-    def first_visible(self, m):
-        """Oldest recent index a query at the newest position sees (m an int or a tensor)."""
-        return (m - self.recent_tokens).clamp(min=0) if isinstance(m, Tensor) else max(m - self.recent_tokens, 0)
+    def first_visible(self, recent):
+        """Oldest recent index a query at the newest position sees, with ``recent`` recent tokens (int or tensor)."""
+        return (recent - self.recent_tokens).clamp(min=0) if isinstance(recent, Tensor) else \
+            max(recent - self.recent_tokens, 0)
 
     # --- the undo rule: what a write overwrites that the shorter stream (before it) still reads ------------
 
@@ -124,9 +125,10 @@ class WindowLayout:
         the ``quantized_before`` blocks quantized."""
         return quantized_before * self.block_size + self.float_rows
 
-    def first_kept_block(self, m):
-        """Blocks before this one hold no visible token and may be overwritten (m an int or a tensor)."""
-        return self.first_visible(m) // self.block_size
+    def first_kept_block(self, recent):
+        """With ``recent`` recent tokens (int or tensor), blocks before this one hold no visible token and may be
+        overwritten."""
+        return self.first_visible(recent) // self.block_size
 
     def visible_bias(self, seq_lens: Tensor, device: torch.device) -> Tensor:
         """float32 ``[B, S + quant_slots*bs + float_rows]`` on ``device``, to add to the scores: 0 for

@@ -158,42 +158,45 @@ def plan(layout, held: tuple[int, ...], lens: tuple[int, ...], starts: tuple[int
     return WritePlan(*flat.split([len(column) for column in columns]), floats[2][0] if cheapest else None)
 
 
-def commit(s: LayerStorage, p: WritePlan, k: Tensor, v: Tensor, quantizer, writer: Writer,
+def commit(storage: LayerStorage, step: WritePlan, k: Tensor, v: Tensor, quantizer, writer: Writer,
            keep_undo: bool = True) -> list[tuple[Tensor, tuple, Tensor]]:
-    """Carry out plan ``p`` over the step's tokens ``k, v [N, Hkv, D]``; returns what the undo must put back
-    (nothing with keep_undo=False). Raises ValueError (nothing written) if a block's scale overflows."""
-    layout, cfg, dev = s.layout, s.layout.config, s.device
-    fr = s.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
+    """Carry out the write plan ``step`` over the step's tokens ``k, v [N, Hkv, D]``; returns what the undo must put
+    back (nothing with keep_undo=False). Raises ValueError (nothing written) if a block's scale overflows."""
+    layout, cfg, dev = storage.layout, storage.layout.config, storage.device
+    fr = storage.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
     saved = []
-    if keep_undo and p.live_float_rows.numel():
-        row = p.live_float_row.to(dev)
-        where = (slice(None), s.float_table[p.live_float_rows.to(dev), row // fr], row % fr)
-        saved += [_save(t, where) for t in (s.float_k, s.float_v)]
-    if keep_undo and p.full_rows.numel():  # every slot a block completes into: once per block_size tokens
-        slot = p.full_block.to(dev) % layout.quant_slots  # (an engine's new page given back must come back as it was)
-        where = (slice(None), s.quant_table[p.full_rows.to(dev), slot])  # pool[where]: [Hkv, n, ...]
-        saved += [_save(getattr(s, name), where) for name in QUANT_TENSORS]
-    if p.full_rows.numel():  # before the rows below: a completing block reads the ring, where a new token may go
-        writer.complete_blocks(s, k, v, p.full_at, p.full_rows, p.full_block, p.full_from, quantizer)
-    if p.sink_at.numel():  # (a sink page is one block of sink_tokens rows)
-        writer.store_rows(s.sink_k, s.sink_v, s.sink_table.unsqueeze(1), k, v, p.sink_at, p.sink_rows, p.sink_pos,
-                          cfg.sink_tokens)
-    cheapest = p.ring_row is not None and p.rows.shape[0] == s.batch_size  # one float row of every row
-    if cheapest and s.dense and writer is WRITER_TORCH:  # each sequence's ring is one run of rows: a strided copy
+    if keep_undo and step.live_float_rows.numel():
+        row = step.live_float_row.to(dev)
+        where = (slice(None), storage.float_table[step.live_float_rows.to(dev), row // fr], row % fr)
+        saved += [_save(t, where) for t in (storage.float_k, storage.float_v)]
+    if keep_undo and step.full_rows.numel():  # every slot a block completes into: once per block_size tokens
+        # (an engine's new page given back must come back as it was)
+        slot = step.full_block.to(dev) % layout.quant_slots
+        where = (slice(None), storage.quant_table[step.full_rows.to(dev), slot])  # pool[where]: [Hkv, n, ...]
+        saved += [_save(getattr(storage, name), where) for name in QUANT_TENSORS]
+    if step.full_rows.numel():  # before the rows below: a completing block reads the ring, where a new token may go
+        writer.complete_blocks(storage, k, v, step.full_at, step.full_rows, step.full_block, step.full_from, quantizer)
+    if step.sink_at.numel():  # (a sink page is one block of sink_tokens rows)
+        writer.store_rows(storage.sink_k, storage.sink_v, storage.sink_table.unsqueeze(1), k, v, step.sink_at,
+                          step.sink_rows, step.sink_pos, cfg.sink_tokens)
+    cheapest = step.ring_row is not None and step.rows.shape[0] == storage.batch_size  # one float row of every row
+    if cheapest and storage.dense and writer is WRITER_TORCH:  # each sequence's ring is one run of rows: a strided copy
         trace.ran("write_rows", "torch")
-        for ring, x in ((s.float_k, k), (s.float_v, v)):
-            x = x if x.shape[0] == s.batch_size else x[:s.batch_size]
-            ring.view(ring.shape[0], s.batch_size, layout.float_rows, -1)[:, :, p.ring_row].copy_(x.transpose(0, 1))
-    elif p.float_at.numel():
-        writer.store_rows(s.float_k, s.float_v, s.float_table, k, v, p.float_at, p.float_rows, p.float_row, fr)
+        for ring, x in ((storage.float_k, k), (storage.float_v, v)):
+            x = x if x.shape[0] == storage.batch_size else x[:storage.batch_size]
+            rows = ring.view(ring.shape[0], storage.batch_size, layout.float_rows, -1)[:, :, step.ring_row]
+            rows.copy_(x.transpose(0, 1))
+    elif step.float_at.numel():
+        writer.store_rows(storage.float_k, storage.float_v, storage.float_table, k, v, step.float_at, step.float_rows,
+                          step.float_row, fr)
     if cheapest:  # (a row's view writes its lengths through to the whole storage's)
-        s.seq_lens += 1
+        storage.seq_lens += 1
     else:
-        s.seq_lens[p.rows] += p.lens
+        storage.seq_lens[step.rows] += step.lens
     return saved
 
 
-def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+def complete_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
                     first_new: Tensor, quantizer) -> None:
     """Recent block ``blocks[i]`` of sequence ``seqs[i]`` completes: its tokens from recent index ``first_new[i]`` on
     are ``k, v [N, Hkv, D]`` from token ``at[i]`` on, its older ones are in the float ring. Quantize every such
@@ -201,31 +204,32 @@ def complete_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Ten
     slot ``quant_table[seqs[i], blocks[i] % quant_slots]``. All host int64 ``[n]``. Raises ValueError (nothing
     written) if a scale or zero overflows ``scale_dtype``. The write's reference; ``decode_c`` has its C version."""
     trace.ran("write_blocks", "torch")
-    cfg = s.layout.config
-    parts = completing_blocks(s, k, v, at, seqs, blocks, first_new)
+    cfg = storage.layout.config
+    parts = completing_blocks(storage, k, v, at, seqs, blocks, first_new)
     quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
                  + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
-    where = (slice(None), s.quant_table[seqs.to(s.device), blocks.to(s.device) % s.layout.quant_slots])
+    dev = storage.device
+    where = (slice(None), storage.quant_table[seqs.to(dev), blocks.to(dev) % storage.layout.quant_slots])
     for name, src in zip(QUANT_TENSORS, quantized):                                 # pool[where]: [Hkv, n, ...]
-        getattr(s, name)[where] = src.squeeze(2).transpose(0, 1)
+        getattr(storage, name)[where] = src.squeeze(2).transpose(0, 1)
 
 
-def completing_blocks(s: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+def completing_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
                       first_new: Tensor) -> list[Tensor]:
     """The tokens of each block ``complete_blocks`` completes (same arguments), as they will be quantized: its older
     ones from the float ring, the step's from ``k, v``, in ``window_dtype``: ``[k_blocks, v_blocks]``, each
     ``[n, Hkv, block_size, D]`` (copies)."""
-    layout, cfg = s.layout, s.layout.config
-    bs, F, dev = cfg.block_size, layout.float_rows, s.device
-    fr = s.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
+    layout, cfg = storage.layout, storage.layout.config
+    bs, F, dev = cfg.block_size, layout.float_rows, storage.device
+    fr = storage.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
     seq, blk = seqs.to(dev), blocks.to(dev)
     tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
     new = tok >= first_new.to(dev).unsqueeze(1)                                     # the step's tokens
     place = at.to(dev).unsqueeze(1) + tok - first_new.to(dev).unsqueeze(1)         # [n, bs] where they are in k, v
     parts = []
-    for ring, x in ((s.float_k, k), (s.float_v, v)):
+    for ring, x in ((storage.float_k, k), (storage.float_v, v)):
         if F:  # the block's older tokens are in the float ring (none when bs == 1 and R == 0: never read)
-            xb = ring[:, s.float_table[seq.unsqueeze(1), tok % F // fr], tok % F % fr]  # [Hkv, n, bs, D], a copy
+            xb = ring[:, storage.float_table[seq.unsqueeze(1), tok % F // fr], tok % F % fr]  # [Hkv, n, bs, D], a copy
             i, t = new.nonzero(as_tuple=True)
             xb[:, i, t] = x[place[i, t].to(x.device)].transpose(0, 1).to(dev, cfg.window_dtype)
         else:

@@ -124,19 +124,19 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
         if not isinstance(kv_cache_spec, QSinkKVSpec):
             raise TypeError(f"qsinkkv's backend needs its own KV cache spec, got {type(kv_cache_spec).__name__}")
         self.S, self.W, self.bs = kv_cache_spec.sink_tokens, kv_cache_spec.recent_tokens, kv_cache_spec.block_size
-        self.ns = -(-self.S // self.bs)                  # sink blocks
-        self.nw = -(-self.W // self.bs) + 1              # blocks a window of W tokens can span
+        self.sink_blocks = -(-self.S // self.bs)              # blocks the sinks span
+        self.window_blocks = -(-self.W // self.bs) + 1        # blocks a window of W tokens can span
         self.offsets = torch.arange(self.bs)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> QSinkKVMetadata:
-        m = common_attn_metadata
-        S, W, bs, ns, nw = self.S, self.W, self.bs, self.ns, self.nw
-        B, N = m.num_reqs, m.num_actual_tokens
-        qsl = m.query_start_loc_cpu[:B + 1].long()
-        seq_lens = m.seq_lens[:B].cpu().long()
+        common = common_attn_metadata
+        S, W, bs, ns, nw = self.S, self.W, self.bs, self.sink_blocks, self.window_blocks
+        B, N = common.num_reqs, common.num_actual_tokens
+        qsl = common.query_start_loc_cpu[:B + 1].long()
+        seq_lens = common.seq_lens[:B].cpu().long()
         qlen = qsl[1:] - qsl[:-1]
-        table = m.block_table_tensor[:B].cpu().long()
+        table = common.block_table_tensor[:B].cpu().long()
         start = seq_lens - qlen                          # position of each row's first new token
         is_sink = None
         if S and B and int(start.min()) < S:
@@ -145,15 +145,15 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
             is_sink[:pos.shape[0]] = pos < S
 
         dec = (qlen == 1).nonzero().squeeze(1)
-        sl = seq_lens[dec]
-        last = (sl - 1) // bs
-        win = last.unsqueeze(1) - nw + 1 + torch.arange(nw)                        # [Bd, nw] logical blocks
-        logical = torch.cat((torch.arange(ns).expand(dec.shape[0], ns), win), dim=1)
+        dec_lens = seq_lens[dec]
+        last = (dec_lens - 1) // bs
+        window = last.unsqueeze(1) - nw + 1 + torch.arange(nw)                     # [Bd, nw] logical blocks
+        logical = torch.cat((torch.arange(ns).expand(dec.shape[0], ns), window), dim=1)
         dec_blocks = table[dec].gather(1, logical.clamp(min=0))
-        valid = torch.cat((torch.ones(dec.shape[0], ns, dtype=torch.bool), win >= ns), dim=1)
+        valid = torch.cat((torch.ones(dec.shape[0], ns, dtype=torch.bool), window >= ns), dim=1)
         pos = (logical.unsqueeze(2) * bs + self.offsets).flatten(1)                # [Bd, nb * bs]
-        pos = torch.where(valid.repeat_interleave(bs, dim=1) & (pos < sl.unsqueeze(1)), pos, -1)
-        seen = visible_mask((sl - 1).unsqueeze(1), pos, S, W)                     # [Bd, 1, nb * bs]
+        pos = torch.where(valid.repeat_interleave(bs, dim=1) & (pos < dec_lens.unsqueeze(1)), pos, -1)
+        seen = visible_mask((dec_lens - 1).unsqueeze(1), pos, S, W)               # [Bd, 1, nb * bs]
         dec_bias = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf")).unsqueeze(1)
 
         prefills = []
@@ -166,7 +166,7 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
             mask = visible_mask(torch.arange(p0, p1), kpos, S, W)                  # [T, nb * bs]
             prefills.append((int(qsl[b]), int(qsl[b + 1]), table[b, logical], mask))
         dec_c = decode_c.BlocksDecode(dec_blocks, dec_bias.view(dec.shape[0], -1)) if dec.shape[0] else None
-        slots = m.slot_mapping[:N].cpu().long()
+        slots = common.slot_mapping[:N].cpu().long()
         write_at = (slots >= 0).nonzero().squeeze(1)
         return QSinkKVMetadata(N, write_at, slots[write_at], torch.zeros_like(write_at), is_sink, qsl[:-1][dec],
                                dec_blocks, dec_bias, dec_c, 0 < dec.shape[0] == N, prefills)

@@ -58,13 +58,13 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> QuantMetadata:
-        m = common_attn_metadata
-        B = m.num_reqs
-        qsl = m.query_start_loc_cpu[:B + 1].long()
+        common = common_attn_metadata
+        B = common.num_reqs
+        qsl = common.query_start_loc_cpu[:B + 1].long()
         lens = qsl[1:] - qsl[:-1]
-        held = m.seq_lens[:B].cpu().long() - lens
-        tables = step_tables(self.pages, m.block_table_tensor[:B].cpu(), held, lens, null_page=0)
-        return QuantMetadata(m.num_actual_tokens, EngineStep(self.layout, held, lens, tables))
+        held = common.seq_lens[:B].cpu().long() - lens
+        tables = step_tables(self.pages, common.block_table_tensor[:B].cpu(), held, lens, null_page=0)
+        return QuantMetadata(common.num_actual_tokens, EngineStep(self.layout, held, lens, tables))
 
 
 class QuantImpl(AttentionImpl):

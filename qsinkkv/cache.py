@@ -10,7 +10,8 @@ Decode (one new token per sequence): the token is stored, then its query attends
 storage. Prefill (a chunk of T > 1): each query attends over what the cache held before the
 chunk plus the chunk's own full-precision K/V under the exact sink + window mask; then the chunk
 is stored. A chunk may be ragged: row b holds ``lengths[b]`` new tokens, the rest is padding
-(never stored, never seen, output zero).
+(never stored, never seen, output zero). Every step, padded or packed, runs through one function,
+``step.attend_split`` (the rows that prefill, the write, the rows that decode), as an engine's pages do.
 """
 from __future__ import annotations
 
@@ -256,24 +257,9 @@ class SinkQuantCache:
         try:
             lens, split = self._check_kv(layer, k, v, lengths, q=q, scale=scale, sink_logits=sink_logits)
             self._reserve(layer, lens)
-            storage = self.layers[layer]
-            if k.shape[2] == 1:  # decode: store, then attend over exactly what is stored
-                self._undo[layer] = write.append(storage, k, v, lens, self.ops.quantizer, self.ops.writer)
-                out = self.ops.decode(q[:, :, 0], storage, scale=scale, sink_logits=sink_logits).unsqueeze(2)
-                if 0 in lens:  # a row with no new token has no query
-                    out = out.masked_fill(torch.tensor(lens, device=out.device).view(-1, 1, 1, 1) == 0, 0)
-                return out
-            if split is None or len(split.multi) == len(lens):  # every row prefills
-                out = self.ops.prefill(q, k, v, storage, torch.tensor(lens), scale=scale, sink_logits=sink_logits)
-                self._undo[layer] = write.append(storage, k, v, lens, self.ops.quantizer, self.ops.writer)
-                return out
-            out = q.new_zeros(q.shape)
+            split = split or split_padded(q, k, v, lens)
             one_out, multi_out = self._attend_split(layer, split, scale, sink_logits)
-            if split.one:
-                out[torch.tensor(split.one, device=out.device), :, 0] = one_out
-            if split.multi:
-                out[torch.tensor(split.multi, device=out.device), :, :multi_out.shape[2]] = multi_out
-            return out
+            return _padded_output(q, split, one_out, multi_out)
         except BaseException as e:
             self._roll_back_step(layer, before, e)
             raise
@@ -297,11 +283,11 @@ class SinkQuantCache:
             raise
 
     def _attend_split(self, layer: int, split: Split, scale, sink_logits) -> tuple[Tensor | None, Tensor | None]:
-        """``step.attend_split`` over ``layer``'s storage (read and stored into alike); keeps the undo record."""
+        """``step.attend_split`` over ``layer``'s storage (read and stored into alike); keeps the write's undo record
+        as soon as it is made (a decode refused after the write rolls it back)."""
         storage = self.layers[layer]
-        one_out, multi_out, self._undo[layer] = attend_split(self.ops, split, storage, storage, scale=scale,
-                                                             sink_logits=sink_logits)
-        return one_out, multi_out
+        return attend_split(self.ops, split, storage, storage, scale=scale, sink_logits=sink_logits,
+                            undo_to=lambda undo: self._undo.__setitem__(layer, undo))
 
     def _roll_back_step(self, layer: int, before: Tensor, error: BaseException) -> None:
         """A call on ``layer`` (whose lengths were ``before``) failed: undo that layer's own store, if
@@ -351,3 +337,20 @@ class SinkQuantCache:
 
     def _batch_index(self, index, allow_repeats: bool = True) -> Tensor:
         return checks.batch_index(index, self.batch_size, self.device, allow_repeats)
+
+
+def _padded_output(q: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
+    """A padded step's row groups' outputs (``attend_split``'s) as ``[B, H, T, D]`` (q's shape): each row's at its
+    columns, zero at padding and in rows with no new token; the decoding rows' or the prefilling rows' own output
+    where it is all of it."""
+    B, _, T, _ = q.shape
+    if len(split.one) == B and T == 1:  # a decode step
+        return one_out.unsqueeze(2)
+    if len(split.multi) == B and multi_out.shape[2] == T:  # every row prefills the whole chunk
+        return multi_out
+    out = q.new_zeros(q.shape)
+    if split.one:
+        out[torch.tensor(split.one, device=out.device), :, 0] = one_out
+    if split.multi:
+        out[torch.tensor(split.multi, device=out.device), :, :multi_out.shape[2]] = multi_out
+    return out

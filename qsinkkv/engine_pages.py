@@ -241,7 +241,7 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
     if starting.numel():  # a new sequence's sink and float pages may hold a former owner's bytes
         read.clear(starting)
     # an engine never rolls a step back: nothing is copied aside for an undo
-    one_out, multi_out, _ = attend_split(ops, split, read, store, scale=scale, sink_logits=None, keep_undo=False)
+    one_out, multi_out = attend_split(ops, split, read, store, scale=scale, sink_logits=None)
     return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
 
 

@@ -3,6 +3,7 @@ prefill, rows with none sit out. Built once per call (from a padded chunk or fro
 the checks, the write and the attention, so a step's cost follows the tokens it carries, never B x T_max."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +108,8 @@ def take_rows(x: Tensor, rows: list[int]) -> Tensor:
 
 
 def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, scale: float | None,
-                 sink_logits: Tensor | None, keep_undo: bool = True) -> tuple[Tensor | None, Tensor | None,
-                                                                             write.Undo | None]:
+                 sink_logits: Tensor | None, undo_to: Callable[[write.Undo], None] | None = None
+                 ) -> tuple[Tensor | None, Tensor | None]:
     """A mixed step, row group by row group: the longer rows prefill over what was stored before (``read``: the
     storage as it stands, and their own chunk in full precision), the step is stored (into ``store``), then the
     one-token rows decode, as each would alone, over what is stored. ``read`` and ``store`` are one storage in a
@@ -116,31 +117,37 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
     block completes this step (its new page, while the prefill still reads the old one). A step's cost follows
     the tokens it carries, not B x T_max.
 
-    Returns ``([len(one), H, D], the longer rows' output, the write's undo record)`` (None for an empty group; no
-    undo record with keep_undo=False); the longer rows' output is ``[len(multi), H, T_multi, D]`` for a padded
-    step, their tokens ``[sum(multi_lens), H, D]`` row by row for a packed one. A packed step whose longer rows
-    all start fresh, each within S + W, takes ``ops.prefill_fresh`` on the tokens where they lie."""
+    Returns ``([len(one), H, D], the longer rows' output)`` (None for an empty group); the longer rows' output is
+    ``[len(multi), H, T_multi, D]`` for a padded step, their tokens ``[sum(multi_lens), H, D]`` row by row for a
+    packed one. ``undo_to`` (a caller that may roll the step back) gets the write's undo record as soon as the write
+    is done, before the decode that may still raise; without it nothing is copied aside (an engine never rolls
+    back). A packed step whose longer rows all start fresh, each within S + W, takes ``ops.prefill_fresh`` on the
+    tokens where they lie."""
     multi_out = one_out = None
     if split.multi:
         if split.packed is not None and ops.prefill_fresh is not None and sink_logits is None and _fresh(split, read):
             q, k, v = split.packed
             multi_out = ops.prefill_fresh(q, k, v, split.qsl[split.multi].tolist(), split.multi_lens, scale=scale)
         else:
-            multi_out = ops.prefill(*split.multi_chunk(), read.select_rows(split.multi),
+            every_row = len(split.multi) == read.batch_size  # (in order: reads the storage as it lies)
+            multi_out = ops.prefill(*split.multi_chunk(), read if every_row else read.select_rows(split.multi),
                                     torch.tensor(split.multi_lens), scale=scale, sink_logits=sink_logits)
             if split.packed is not None:  # [n, H, T, D] -> the real tokens, row by row
                 n, H, T, D = multi_out.shape
                 real = (torch.arange(n).unsqueeze(1) * T + torch.arange(T))[split.multi_real()]
                 multi_out = multi_out.transpose(1, 2).reshape(n * T, H, D).index_select(0, real.to(multi_out.device))
+    keep_undo = undo_to is not None
     if split.one or split.multi:
         undo = write.append_tokens(store, *_tokens(split), ops.quantizer, keep_undo, ops.writer)
     else:  # no new token in any row
         undo = write.Undo(store.seq_lens.clone(), []) if keep_undo else None
+    if keep_undo:
+        undo_to(undo)
     if split.one:
         every_row = len(split.one) == store.batch_size  # (decode reads; it needs no copy of the tables)
         one_out = ops.decode(split.q_one, store if every_row else store.select_rows(split.one), scale=scale,
                              sink_logits=sink_logits)
-    return one_out, multi_out, undo
+    return one_out, multi_out
 
 
 def _fresh(split: Split, read: LayerStorage) -> bool:

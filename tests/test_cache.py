@@ -337,3 +337,36 @@ def test_triton_ragged_decode_with_an_empty_row(variant):
         q, k, v = draw(g, 3, T)
         a, b = tri.attend(0, q, k, v, lens), ref.attend(0, q, k, v, lens)
         assert torch.isfinite(a).all() and rel(a, b) < 1e-5, (T, lens)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_decode_refused_after_the_write_rolls_every_layer_back(packed):
+    """A decode that raises after its layer's write (a kernel refused at launch, say) in layer 1 of a step that layer 0
+    took: both layers back where they were, as a twin that never saw the step, which then goes on identically. The
+    write's undo record is kept as soon as the write is done (before, a packed or mixed step lost it with the error
+    and left the refused layer one token ahead)."""
+    import dataclasses
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=4)
+    a, b = (SinkQuantCache(cfg, 2, 2, HKV, D, dtype=torch.float32, backend="torch") for _ in range(2))
+    g = torch.Generator().manual_seed(7)
+    for layer in range(2):
+        k, v = torch.randn(2, HKV, 15, D, generator=g), torch.randn(2, HKV, 15, D, generator=g)
+        a.append(layer, k, v)
+        b.append(layer, k, v)
+    step = [torch.randn(2, h, 1, D, generator=g) for h in (HKV * G, HKV, HKV)]
+    attend = (lambda c, layer: c.attend_packed(layer, *(x[:, :, 0] for x in step), torch.tensor([0, 1, 2]))) \
+        if packed else (lambda c, layer: c.attend(layer, *step))
+    attend(a, 0)
+    ops = a.ops
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("the decode kernel was refused at launch")
+    a.ops = dataclasses.replace(ops, decode=refused)
+    with pytest.raises(RuntimeError, match="refused at launch") as e:
+        attend(a, 1)
+    assert not getattr(e.value, "__notes__", None), e.value.__notes__  # (no layer left stuck)
+    a.ops = ops
+    assert a.layer_lengths() == b.layer_lengths() == [15, 15]
+    assert_same_state(a, b)
+    for layer in range(2):
+        assert torch.equal(attend(a, layer), attend(b, layer))

@@ -70,7 +70,10 @@ def split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> Spl
     """Group the rows of a padded chunk ``[B, heads, T, D]``: views where the rows are one run."""
     one, multi = _one_and_multi(lens)
     pick = lambda x, rows, t: None if x is None or not rows else take_rows(x[:, :, :t], rows)  # noqa: E731
-    firsts = [None if x is None or not one else take_rows(x[:, :, 0], one) for x in (q, k, v)]
+    if len(one) == len(lens):  # a decode step: every row's token as it lies (the common case, kept cheap)
+        firsts = [None if x is None else x.select(2, 0) for x in (q, k, v)]
+    else:
+        firsts = [None if x is None or not one else take_rows(x.select(2, 0), one) for x in (q, k, v)]
     T_multi = max((lens[b] for b in multi), default=0)
     return Split(lens, one, *firsts, multi, *(pick(x, multi, T_multi) for x in (q, k, v)))
 
@@ -166,11 +169,13 @@ def _tokens(split: Split) -> tuple:
         starts = split.qsl.tolist()
         rows = sorted(one + multi, key=starts.__getitem__)
         return *split.packed[1:], rows, [starts[b] for b in rows], [split.lens[b] for b in rows]
-    T = 0 if split.k_multi is None else split.k_multi.shape[2]
+    if not multi:  # a decode step's one-token rows: their tokens as they are
+        every = range(len(one))
+        return split.k_one, split.v_one, one, every, [1] * len(one)
+    T = split.k_multi.shape[2]
     parts = [[x] if one else [] for x in (split.k_one, split.v_one)]
-    if multi:
-        for part, x in zip(parts, (split.k_multi, split.v_multi)):
-            part.append(x.transpose(1, 2).reshape(len(multi) * T, *x.shape[1::2]))
+    for part, x in zip(parts, (split.k_multi, split.v_multi)):
+        part.append(x.transpose(1, 2).reshape(len(multi) * T, *x.shape[1::2]))
     k, v = (part[0] if len(part) == 1 else torch.cat(part) for part in parts)
     starts = list(range(len(one))) + [len(one) + i * T for i in range(len(multi))]
     return k, v, one + multi, starts, [1] * len(one) + split.multi_lens

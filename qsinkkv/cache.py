@@ -24,7 +24,7 @@ from .config import CacheConfig
 from .layout import WindowLayout
 from .ops import select_ops
 from .rope import Rotary
-from .step import Split, attend_split, scatter_packed, split_packed, split_padded
+from .step import Split, attend_split, scatter_packed, scatter_padded, split_packed, split_padded
 
 # float8 model dtypes have no isfinite (and no way to refuse a NaN): not accepted
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -259,7 +259,7 @@ class SinkQuantCache:
             self._reserve(layer, lens)
             split = split or split_padded(q, k, v, lens)
             one_out, multi_out = self._attend_split(layer, split, scale, sink_logits)
-            return _padded_output(q, split, one_out, multi_out)
+            return scatter_padded(q, split, one_out, multi_out)
         except BaseException as e:
             self._roll_back_step(layer, before, e)
             raise
@@ -337,20 +337,3 @@ class SinkQuantCache:
 
     def _batch_index(self, index, allow_repeats: bool = True) -> Tensor:
         return checks.batch_index(index, self.batch_size, self.device, allow_repeats)
-
-
-def _padded_output(q: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
-    """A padded step's row groups' outputs (``attend_split``'s) as ``[B, H, T, D]`` (q's shape): each row's at its
-    columns, zero at padding and in rows with no new token; the decoding rows' or the prefilling rows' own output
-    where it is all of it."""
-    B, _, T, _ = q.shape
-    if len(split.one) == B and T == 1:  # a decode step
-        return one_out.unsqueeze(2)
-    if len(split.multi) == B and multi_out.shape[2] == T:  # every row prefills the whole chunk
-        return multi_out
-    out = q.new_zeros(q.shape)
-    if split.one:
-        out[torch.tensor(split.one, device=out.device), :, 0] = one_out
-    if split.multi:
-        out[torch.tensor(split.multi, device=out.device), :, :multi_out.shape[2]] = multi_out
-    return out

@@ -191,3 +191,20 @@ def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | Non
     if split.multi:
         out.index_copy_(0, split.multi_tokens().to(out.device), multi_out)
     return out
+
+
+def scatter_padded(q: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
+    """A padded step's row groups' outputs (``attend_split``'s) as ``[B, H, T, D]`` (q's shape): each row's at its
+    columns, zero at padding and in rows with no new token; the decoding rows' or the prefilling rows' own output
+    where it is all of it."""
+    B, _, T, _ = q.shape
+    if len(split.one) == B and T == 1:  # a decode step
+        return one_out.unsqueeze(2)
+    if len(split.multi) == B and multi_out.shape[2] == T:  # every row prefills the whole chunk
+        return multi_out
+    out = q.new_zeros(q.shape)
+    if split.one:
+        out[torch.tensor(split.one, device=out.device), :, 0] = one_out
+    if split.multi:
+        out[torch.tensor(split.multi, device=out.device), :, :multi_out.shape[2]] = multi_out
+    return out

@@ -249,7 +249,15 @@ def _raise_refused(ok: dict[str, bool], config: CacheConfig, rows=None, kv: dict
     if bad == "q":
         raise ValueError("q contains NaN or Inf")
     if bad == "sink_logits":
-        raise ValueError("sink_logits must be free of NaN and +inf (-inf means no sink for that head)")
+        raise ValueError(SINK_LOGITS_REFUSED)
+
+
+SINK_LOGITS_REFUSED = "sink_logits must be free of NaN and +inf (-inf means no sink for that head)"
+
+
+def sink_logits_fit(logits) -> bool:
+    """No NaN and no +inf in the host array (numpy) ``logits``: -inf is a head with no sink."""
+    return not (logits != logits).any() and not (logits == math.inf).any()
 
 
 def _refused_rows(config: CacheConfig, seq_lens: Tensor, split: Split | None, x: Tensor, packed: bool

@@ -245,14 +245,15 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
 
 
 def decode_blocks_c(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, bias: Tensor, *, scale: float,
-                    out: Tensor | None = None) -> Tensor:
+                    out: Tensor | None = None, sink_logits: Tensor | None = None) -> Tensor:
     """Decode over float blocks named by a table, what each query sees given by a bias (an engine's own
     position-aligned pages: vLLM's, bits=16): ``q [B, H, D]``; ``k_pool, v_pool [Hkv, blocks, bs, D]`` (any head
     and block strides, each block's rows ``D`` apart); ``block_table [B, nb]`` int64, the blocks row b reads in
     order (-1: none); ``bias [B, nb * bs]`` float32, 0 where the query sees the slot, -inf where not ->
     ``[B, H, D]`` in q's dtype (or into ``out``, contiguous, float32/bf16/fp16), computed in float32. The C decode
-    with no sink segment and no quantized ring: the same loops, the same bits for a row alone or in a batch."""
-    return BlocksDecode(block_table, bias).run(q, k_pool, v_pool, scale=scale, out=out)
+    with no sink segment and no quantized ring: the same loops, the same bits for a row alone or in a batch.
+    ``sink_logits [H]`` (a layer's learned sinks, gpt-oss): ``exp(s_h)`` joins head h's softmax denominator."""
+    return BlocksDecode(block_table, bias).run(q, k_pool, v_pool, scale=scale, out=out, sink_logits=sink_logits)
 
 
 class BlocksDecode:
@@ -270,7 +271,8 @@ class BlocksDecode:
                              f"{list(bias.shape)}, block_table {list(block_table.shape)}")
         self._template = None  # (how the first layer's tensors lay, its _Args)
 
-    def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, *, scale: float, out: Tensor | None = None) -> Tensor:
+    def run(self, q: Tensor, k_pool: Tensor, v_pool: Tensor, *, scale: float, out: Tensor | None = None,
+            sink_logits: Tensor | None = None) -> Tensor:
         _require_lib()
         trace.ran("decode", "c")
         B, H, D = q.shape
@@ -292,6 +294,7 @@ class BlocksDecode:
                              f"{k_pool.device} and {v_pool.device}")
         _check_out(out, q)
         keep = []
+        logits = _sink_logits(sink_logits, H, keep)
         k_read, v_read = (t if _blocks_contiguous(t) else t.contiguous() for t in (k_pool, v_pool))  # (one copy)
         keep += [k_read, v_read]
         pointers, strides, pools_lie = _pools(_blocks_pools(k_read, v_read), keep)
@@ -308,9 +311,25 @@ class BlocksDecode:
                       out_dtype=_DTYPES[out.dtype])
             self._template = (lies, a)
         a = self._template[1]
-        _point(a, **pointers, q=qr.data_ptr(), out=out.data_ptr())
+        _point(a, **pointers, q=qr.data_ptr(), out=out.data_ptr(), sink_logits=logits)
         _decode_units(a, Hkv * B, nb * bs * D)
         return out
+
+
+def _sink_logits(sink_logits: Tensor | None, H: int, keep: list) -> int | None:
+    """The address of ``sink_logits [H]`` as the C code reads them (float32, contiguous, on the host; a copy kept
+    alive in ``keep``), or None (no learned sinks). Refuses, by name, another shape, NaN and +inf (``checks``')."""
+    if sink_logits is None:
+        return None
+    if not isinstance(sink_logits, Tensor) or sink_logits.shape != (H,) or not sink_logits.is_floating_point():
+        raise ValueError(f"sink_logits must be a float tensor of shape [H={H}], got "
+                         f"{getattr(sink_logits, 'dtype', type(sink_logits).__name__)} "
+                         f"{tuple(getattr(sink_logits, 'shape', ()))}")
+    logits = sink_logits.detach().to("cpu", torch.float32).contiguous()
+    if not checks.sink_logits_fit(logits.numpy()):
+        raise ValueError(checks.SINK_LOGITS_REFUSED)
+    keep.append(logits)
+    return logits.data_ptr()
 
 
 def _require_lib() -> None:
@@ -383,12 +402,13 @@ def _check_tables(storage: LayerStorage) -> None:
 
 # The pointer fields of each C struct, in two kinds. A struct kept as the template of a step's later layers holds
 # pointers only into what the step itself owns (its tables, visible bias, write plan: alive as long as the step);
-# every pointer into a caller's tensors (a layer's pools, q, k, v, out) is set at each call, by ``_point``.
+# every pointer into a caller's tensors (a layer's pools, q, k, v, out, its learned sink logits) is set at each call,
+# by ``_point``.
 _POINTERS = {struct: frozenset(name for name, ctype in struct._fields_ if ctype is ctypes.c_void_p)
              for struct in (_Args, _Store, _Complete)}
-_PER_CALL = {_Args: frozenset(_POOLS) | {"q", "out"}, _Complete: frozenset({"x_k", "x_v"}),
+_PER_CALL = {_Args: frozenset(_POOLS) | {"q", "out", "sink_logits"}, _Complete: frozenset({"x_k", "x_v"}),
              _Store: frozenset({"x_k", "x_v", "pool_k", "pool_v"})}
-_STEP_OWNED = {_Args: frozenset({"sink_table", "float_table", "quant_table", "bias", "sink_logits"}),
+_STEP_OWNED = {_Args: frozenset({"sink_table", "float_table", "quant_table", "bias"}),
                _Complete: frozenset({"at", "seqs", "blocks", "first_new"}),
                _Store: frozenset({"table", "at", "seqs", "ring_rows"})}
 
@@ -627,12 +647,13 @@ class EngineDecode:
         self._template = None
 
     def run(self, layer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
-            out: Tensor | None = None) -> Tensor:
+            out: Tensor | None = None, sink_logits: Tensor | None = None) -> Tensor:
         """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` in q's dtype (or into ``out``, a
         contiguous ``[B, H, D]`` float32/bf16/fp16 tensor, rounded as ``.to()`` rounds), stored into ``layer``'s pools
         (an ``engine_pages.LayerPools``: ``pools`` by name). Raises ValueError, nothing written, for a value the
         checks refuse (``checks.values``' error), a block whose scale overflows, q, k or v of a dtype the C code does
-        not read, or pools it would read through a copy."""
+        not read, or pools it would read through a copy. ``sink_logits [H]``: the layer's learned sinks (gpt-oss), or
+        None."""
         B, Hkv, D = self.store.batch_size, self.store.num_kv_heads, self.store.head_dim
         pool_tensors = [layer.pools[name] for name in _POOLS]
         if (q.dim() != 3 or q.shape[0] != B or q.shape[1] % Hkv or q.shape[2] != D or k.shape != (B, Hkv, D)
@@ -646,7 +667,8 @@ class EngineDecode:
             raise ValueError(f"the C engine step reads CPU tensors, got q, k, v and the pools on {q.device}, "
                              f"{k.device}, {v.device} and {pool_tensors[0].device}")
         _check_out(out, q)
-        keep = []  # (copies of q, k or v the C code reads: alive until the call returns)
+        keep = []  # (copies of q, k, v or the sink logits the C code reads: alive until the call returns)
+        logits = _sink_logits(sink_logits, q.shape[1], keep)
         pools = _pools(pool_tensors, keep, in_place=True)
         trace.ran("engine_step", "c")
         q_rows, q_stride = _rows(q, keep)
@@ -665,7 +687,7 @@ class EngineDecode:
             self._template = (lies, a, c, st, window_bound(self.layout.config, k.dtype))
         _, a, c, st, bound = self._template
         pointers, x_k, x_v = pools[0], k_rows.data_ptr(), v_rows.data_ptr()
-        _point(a, **pointers, q=q_rows.data_ptr(), out=out.data_ptr())
+        _point(a, **pointers, q=q_rows.data_ptr(), out=out.data_ptr(), sink_logits=logits)
         _point(c, x_k=x_k, x_v=x_v)
         _point(st, x_k=x_k, x_v=x_v, pool_k=pointers["float_k"], pool_v=pointers["float_v"])
         code = _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound)

@@ -228,20 +228,23 @@ def _check_pools(layer: LayerPools, tables: tuple[Tensor, ...]) -> None:
 
 
 def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, *,
-                  scale: float | None = None, check: bool = True) -> Tensor:
+                  scale: float | None = None, sink_logits: Tensor | None = None, check: bool = True) -> Tensor:
     """One layer's packed step over an engine's pages: ``q [N, H, D]``, ``k, v [N, Hkv, D]``, row b's new tokens
     at ``[qsl[b], qsl[b+1])`` (host int64) -> ``[N, H, D]``, stored into ``store`` (``storages``), as
-    ``SinkQuantCache.attend_packed`` computes it. check: refuse non-finite K/V or q (what the storage would
-    hold: ``checks.values``) before anything is written."""
+    ``SinkQuantCache.attend_packed`` computes it; ``sink_logits [H]`` float32: the layer's learned sinks, or None.
+    check: refuse non-finite K/V or q, or NaN/+inf sink logits (``checks.values``) before anything is written."""
     lens = (qsl[1:] - qsl[:-1]).tolist()
     split = split_packed(q, k, v, qsl, lens)
     if check:
-        checks.values(read.layout.config, read.seq_lens, split, k, v, q, None, packed=True)
+        if sink_logits is not None and (sink_logits.shape != (q.shape[1],) or not sink_logits.is_floating_point()):
+            raise ValueError(f"sink_logits must be a float tensor of shape [H={q.shape[1]}], got {sink_logits.dtype} "
+                             f"{tuple(sink_logits.shape)}")
+        checks.values(read.layout.config, read.seq_lens, split, k, v, q, sink_logits, packed=True)
     starting = (read.seq_lens == 0).nonzero().flatten()
     if starting.numel():  # a new sequence's sink and float pages may hold a former owner's bytes
         read.clear(starting)
     # an engine never rolls a step back: nothing is copied aside for an undo
-    one_out, multi_out = attend_split(ops, split, read, store, scale=scale, sink_logits=None)
+    one_out, multi_out = attend_split(ops, split, read, store, scale=scale, sink_logits=sink_logits)
     return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
 
 
@@ -274,17 +277,18 @@ class EngineStep:
         return self.decoding and ops.engine_decode is not None
 
     def attend(self, ops, layer: LayerPools, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
-               out: Tensor | None = None) -> Tensor:
+               sink_logits: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """``attend_packed``'s result for ``layer`` in q's dtype, or written into ``out`` (``[N, H, D]``, contiguous;
-        the engine's output buffer: a fused step writes it in place, in its dtype) and returned."""
+        the engine's output buffer: a fused step writes it in place, in its dtype) and returned. ``sink_logits [H]``
+        float32: the layer's learned sinks, or None."""
         if self.fused(ops):
             if self.pages_named > layer.num_pages:
                 _check_pools(layer, self.tables)  # raises, naming the table
             if self._engine is None:
                 self._engine = ops.engine_decode(self.records(layer)[1])
-            return self._engine.run(layer, q, k, v, scale, out)
+            return self._engine.run(layer, q, k, v, scale, out, sink_logits)
         read, store = self.records(layer)
-        result = attend_packed(ops, read, store, q, k, v, self.query_start_loc, scale=scale)
+        result = attend_packed(ops, read, store, q, k, v, self.query_start_loc, scale=scale, sink_logits=sink_logits)
         return result if out is None else out.copy_(result)
 
 

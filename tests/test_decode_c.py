@@ -354,12 +354,14 @@ def test_auto_warns_when_it_falls_back_for_a_reason_but_no_compiler(monkeypatch,
             assert why.startswith("NoCompiler: no C compiler: '/no/such/compiler' not found")
 
 
+@pytest.mark.parametrize("learned_sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(2, 3), (1, 5)])
-def test_decode_blocks_over_engine_pages_matches_float64(dtype, heads):
+def test_decode_blocks_over_engine_pages_matches_float64(dtype, heads, learned_sinks):
     """``decode_blocks_c`` (bits=16 over vLLM's own pages): each row reads the blocks its table names, in an
     engine's block-major layout (a block's keys then its values per head), and sees the slots its bias leaves
-    at 0; against the float64 softmax over exactly those slots, and a row alone gives the same bits."""
+    at 0; against the float64 softmax over exactly those slots (with learned sink logits: one more logit per head
+    whose value is zero; -inf: none), and a row alone gives the same bits. NaN or +inf logits are refused by name."""
     Hkv, G = heads
     bs, nblocks, B, nb, Dh = 4, 20, 5, 4, 24
     g = torch.Generator().manual_seed(Hkv * 10 + G)
@@ -372,21 +374,36 @@ def test_decode_blocks_over_engine_pages_matches_float64(dtype, heads):
     seen[1, 2 * bs:3 * bs] = False
     bias = torch.zeros(B, nb * bs).masked_fill_(~seen, float("-inf"))
     q = torch.randn(B, Hkv * G, Dh, generator=g).to(dtype)
-    out = decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias, scale=0.3)
+    logits = None
+    if learned_sinks:
+        logits = torch.randn(Hkv * G, generator=g) + 2   # (large enough to take much of the mass)
+        logits[-1] = float("-inf")
+    out = decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias, scale=0.3, sink_logits=logits)
     assert out.dtype == dtype and out.shape == q.shape
     for b in range(B):
         blocks = table[b].clamp(min=0)
         k = k_pool[:, blocks].reshape(Hkv, nb * bs, Dh).double()
         v = v_pool[:, blocks].reshape(Hkv, nb * bs, Dh).double()
         qb = q[b].double().view(Hkv, G, Dh)
-        p = torch.softmax((qb @ k.mT * 0.3).masked_fill(~seen[b], float("-inf")), dim=-1)
+        scores = (qb @ k.mT * 0.3).masked_fill(~seen[b], float("-inf"))
+        if learned_sinks:  # the sink's value is zero: its mass leaves the output
+            scores = torch.cat((scores, logits.double().view(Hkv, G, 1)), dim=-1)
+            v = torch.cat((v, v.new_zeros(Hkv, 1, Dh)), dim=1)
+        p = torch.softmax(scores, dim=-1)
         expect = (p @ v).reshape(Hkv * G, Dh)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out[b].double(), expect, rtol=tol, atol=tol)
-        alone = decode_c.decode_blocks_c(q[b:b + 1], k_pool, v_pool, table[b:b + 1], bias[b:b + 1], scale=0.3)
+        alone = decode_c.decode_blocks_c(q[b:b + 1], k_pool, v_pool, table[b:b + 1], bias[b:b + 1], scale=0.3,
+                                         sink_logits=logits)
         assert torch.equal(alone[0], out[b])
     with pytest.raises(ValueError, match="bias must be float32"):
         decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias[:, 1:], scale=0.3)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sink_logits must be free of NaN"):
+            decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias, scale=0.3,
+                                     sink_logits=torch.full((Hkv * G,), bad))
+    with pytest.raises(ValueError, match=rf"sink_logits must be a float tensor of shape \[H={Hkv * G}\]"):
+        decode_c.decode_blocks_c(q, k_pool, v_pool, table, bias, scale=0.3, sink_logits=torch.zeros(Hkv * G + 1))
 
 
 def test_blocks_decode_prepared_once_serves_every_layer():

@@ -90,12 +90,14 @@ def _schedule(seed, steps=40):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("backend", ["torch", "c"])
 @pytest.mark.parametrize("shuffled", [False, True])
-@pytest.mark.parametrize("through", ["attend_packed", "EngineStep", "EngineStep into bf16"])
+@pytest.mark.parametrize("through", ["attend_packed", "EngineStep", "EngineStep into bf16",
+                                     "attend_packed, learned sinks", "EngineStep, learned sinks"])
 def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
     """Rows in PagedCache's order or in the engine's own (shuffled): bit for bit (a row's prefill reads exactly the
     keys it reads alone, whatever its neighbours: ``prefill._by_key_set``). ``EngineStep`` (what the vLLM backend
     calls: the decode steps in two C calls on the c backend) gives the same; written into the engine's bf16 output
-    buffer (``out=``), the same bits as PagedCache's result rounded by ``.to(bfloat16)``."""
+    buffer (``out=``), the same bits as PagedCache's result rounded by ``.to(bfloat16)``. With learned sink logits
+    (gpt-oss; one head's -inf: no sink), the same bits as PagedCache given the same logits."""
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=bits, block_size=8, value_group_size=8,
                       sink_dtype=torch.bfloat16, window_dtype=torch.bfloat16, scale_dtype=torch.float16)
     layout = WindowLayout(cfg)
@@ -111,6 +113,10 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
                      backend=backend)
     ids, held, fused = {}, {}, 0
     g = torch.Generator().manual_seed(bits + 1)
+    sink_logits = None
+    if through.endswith("learned sinks"):
+        sink_logits = torch.randn(Hkv * G, generator=g) * 2
+        sink_logits[1] = float("-inf")
     for step, finished in _schedule(seed=bits):
         for s in step:
             if s not in ids:
@@ -136,12 +142,12 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
             engine_step = EngineStep(layout, before, lens, tables)
             into = torch.full(q.shape, float("nan"), dtype=torch.bfloat16) if through.endswith("bf16") else None
             with trace.recording() as ran:
-                out = engine_step.attend(ops, layer, q, k, v, out=into)
+                out = engine_step.attend(ops, layer, q, k, v, out=into, sink_logits=sink_logits)
             assert into is None or out is into
             fused += ("engine_step", "c") in ran
         else:
             read, store = storages(layer, layout, tables, before)
-            out = attend_packed(ops, read, store, q, k, v, qsl)
+            out = attend_packed(ops, read, store, q, k, v, qsl, sink_logits=sink_logits)
             assert store.seq_lens.tolist() == (before + lens).tolist()
         # the same K/V through PagedCache: every admitted row, in its own order (0 tokens: it waits)
         rows = ref.seq_ids
@@ -150,7 +156,8 @@ def test_engine_pages_equal_paged_cache(bits, backend, shuffled, through):
         ref_qsl = torch.cat((torch.zeros(1, dtype=torch.int64), ref_lens.cumsum(0)))
         order = torch.cat([torch.arange(int(qsl[row_of[sid]]), int(qsl[row_of[sid] + 1]))
                            for sid in rows if sid in row_of])
-        expect = ref.attend_packed(0, q[order].float(), k[order].float(), v[order].float(), ref_qsl)
+        expect = ref.attend_packed(0, q[order].float(), k[order].float(), v[order].float(), ref_qsl,
+                                   sink_logits=sink_logits)
         if into is not None:
             expect = expect.to(torch.bfloat16)
         assert torch.equal(out[order], expect), f"step {step}: max diff {(out[order] - expect).abs().max()}"
@@ -239,12 +246,13 @@ def test_refused_step_changes_no_page_ring_or_length():
     assert store.seq_lens.tolist() == [12, 5]
 
 
-@pytest.mark.parametrize("bad", ["k", "v", "q", "scale", "out"])
+@pytest.mark.parametrize("bad", ["k", "v", "q", "scale", "out", "sink_logits"])
 def test_a_refused_decode_step_runs_the_named_refusal(bad):
     """A decode step (every row one token) that the fused C path refuses -- non-finite k, v or q, or a block
     whose scale overflows fp16 -- raises by name (``checks.values``' error, ``quant.scale_overflow``'s), having
     written nothing: every page byte (float pages included) and the lengths stay as they were; no other kernel
-    ran. An output buffer it cannot write (float64) is refused by name before anything is written."""
+    ran. An output buffer it cannot write (float64) and NaN learned sink logits are refused by name before anything
+    is written."""
     if not select_ops("auto", torch.device("cpu"), D, None).engine_decode:
         pytest.skip("no C decode")
     cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
@@ -268,7 +276,10 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
         engine_step = EngineStep(layout, held, lens, tables)
         assert engine_step.fused(ops) == (poison is not None)
         out = torch.empty(q.shape, dtype=torch.float64) if poison == "out" else None
-        return engine_step.attend(ops, LayerPools(pools), q, k, v, out=out)
+        sink_logits = torch.randn(Hkv * G, generator=g)
+        if poison == "sink_logits":
+            sink_logits[2] = float("nan")
+        return engine_step.attend(ops, LayerPools(pools), q, k, v, out=out, sink_logits=sink_logits)
 
     step(torch.tensor([0, 0]), torch.tensor([12, 10]))   # prompts (row 1 completes a block with its next token)
     held = torch.tensor([12, 10])
@@ -277,7 +288,8 @@ def test_a_refused_decode_step_runs_the_named_refusal(bad):
             pytest.raises(ValueError, match={"scale": "overflow scale_dtype", "out": "out must be"}.get(bad, bad)):
         step(held, torch.tensor([1, 1]), poison=bad)
     assert torch.equal(buf, before)
-    assert ran == ([] if bad == "out" else [("engine_step", "c")]), ran  # (out: refused before the kernel)
+    # (out and the sink logits: refused before the kernel)
+    assert ran == ([] if bad in ("out", "sink_logits") else [("engine_step", "c")]), ran
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -17,7 +17,8 @@ Per layer, the forward writes the new K/V at vLLM's slot mapping and attends:
   mask over its sink blocks and the blocks its chunk's windows span (a loop over the prefill rows
   of the step only).
 
-Keys arrive rotated at their absolute positions: qsinkkv's ``positions="absolute"`` contract.
+Keys arrive rotated at their absolute positions: qsinkkv's ``positions="absolute"`` contract. A layer with
+learned sinks (gpt-oss's ``sinks [H]``) adds ``exp(s_h)`` to head h's softmax denominator in both.
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
-from ... import decode_c, trace, write
+from ... import checks, decode_c, trace, write
 from ...engine_pages import PageLayout
 from ...layout import visible_mask
 from ...ops import resolve_backend
 from ...step import token_positions
 from . import state
-from .quantized import QuantImpl, QuantMetadataBuilder, impl_config
+from .quantized import QuantImpl, QuantMetadataBuilder, impl_config, sink_logits
 from .spec import QSinkKVSpec
 
 
@@ -178,7 +179,8 @@ class QSinkKVImpl(AttentionImpl):
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: Tensor | None = None) -> None:
         cfg = impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                          sinks)
+                          sinks, num_heads)
+        self.sinks = sinks  # [H] the layer's learned sink logits (gpt-oss), or None
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
         self.group = num_heads // num_kv_heads
@@ -201,14 +203,17 @@ class QSinkKVImpl(AttentionImpl):
         n = md.num_actual_tokens
         nblocks, Hkv, bs, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(nblocks, Hkv, 2 * bs, -1).chunk(2, dim=2)   # [nb, Hkv, bs, D] each
+        logits = sink_logits(self.sinks)
+        if logits is not None and not checks.sink_logits_fit(logits.cpu().numpy()):
+            raise ValueError(checks.SINK_LOGITS_REFUSED)  # (before anything is written)
         self._write(key[:n], value[:n], key_cache, value_cache, md, bs)
         out = output.view(-1, self.num_heads, self.head_size)
         if md.all_decode:  # vLLM's common step: q and the output as they lie, no gather, no scatter
-            self._decode(query[:n], key_cache, value_cache, md, out=out[:n])
+            self._decode(query[:n], key_cache, value_cache, md, logits, out=out[:n])
         elif md.dec_tokens.numel():
-            out[md.dec_tokens] = self._decode(query[md.dec_tokens], key_cache, value_cache, md).to(out.dtype)
+            out[md.dec_tokens] = self._decode(query[md.dec_tokens], key_cache, value_cache, md, logits).to(out.dtype)
         for t0, t1, blocks, mask in md.prefills:
-            out[t0:t1] = self._prefill(query[t0:t1], key_cache, value_cache, blocks, mask).to(out.dtype)
+            out[t0:t1] = self._prefill(query[t0:t1], key_cache, value_cache, blocks, mask, logits).to(out.dtype)
         return output
 
     def _write(self, k: Tensor, v: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata,
@@ -230,24 +235,37 @@ class QSinkKVImpl(AttentionImpl):
                         md.write_seqs, md.write_slots, bs)
 
     def _decode(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata,
-                out: Tensor | None = None) -> Tensor:
+                logits: Tensor | None, out: Tensor | None = None) -> Tensor:
         """The decode rows' attention ``[Bd, H, D]`` (C: in q's dtype; torch: float32), or written into ``out`` (the
-        engine's output rows, rounded as ``.to()`` rounds) and returned."""
+        engine's output rows, rounded as ``.to()`` rounds) and returned. ``logits [H]``: learned sinks, or None."""
         Bd, nb = md.dec_blocks.shape
         if self.c_decode:  # (q in one of supported_dtypes: the C decode reads each)
-            return md.dec_c.run(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale, out=out)
+            return md.dec_c.run(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale, out=out,
+                                sink_logits=logits)
         trace.ran("decode", "torch")
         Hkv, G, D = self.num_kv_heads, self.group, self.head_size
         read = lambda cache: cache[md.dec_blocks].transpose(1, 2).reshape(Bd, Hkv, -1, D).float()  # noqa: E731
         qh = q.float().view(Bd, Hkv, G, D) * self.scale
-        p = torch.softmax(torch.matmul(qh, read(key_cache).mT).add_(md.dec_bias), dim=-1)   # [Bd, Hkv, G, N]
+        scores = torch.matmul(qh, read(key_cache).mT).add_(md.dec_bias)                       # [Bd, Hkv, G, N]
+        if logits is None:
+            p = torch.softmax(scores, dim=-1)
+        else:  # one more logit per head, whose value is zero: its mass leaves the output
+            sinks = logits.view(1, Hkv, G, 1).expand(Bd, Hkv, G, 1)
+            p = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
         result = torch.matmul(p, read(value_cache)).view(Bd, Hkv * G, D)
         return result if out is None else out.copy_(result)
 
-    def _prefill(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, mask: Tensor) -> Tensor:
+    def _prefill(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, mask: Tensor,
+                 logits: Tensor | None) -> Tensor:
         trace.ran("prefill", "torch")
         D = self.head_size
         read = lambda cache: cache[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, D).float()  # noqa: E731
-        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), read(key_cache), read(value_cache),
-                                             attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
+        k, v = read(key_cache), read(value_cache)
+        if logits is not None:  # an extra key and value of zeros per KV head, its score each query head's logit
+            k, v = (torch.cat((x, x.new_zeros(x.shape[0], 1, D)), dim=1) for x in (k, v))
+            T = q.shape[0]
+            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            mask = torch.cat((bias.expand(self.num_heads, T, -1), logits.view(-1, 1, 1).expand(-1, T, 1)), dim=-1)
+        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.group > 1)
         return out.transpose(0, 1)

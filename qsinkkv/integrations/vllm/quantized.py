@@ -12,7 +12,8 @@ Per step the metadata builder (once, for all layers) turns vLLM's block table in
 layer the forward runs it over the layer's pools (``engine_pages.LayerPools``, made once): ``attend_packed``
 (qsinkkv's checks, write (quantize-once as a block completes), prefill and decode -- the code ``PagedCache``
 runs, so one layer's output equals ``PagedCache`` fed the same K/V), or for a decode step on the CPU the same
-checks, write and decode in two C calls, the same bits.
+checks, write and decode in two C calls, the same bits. A layer with learned sinks (gpt-oss's ``sinks``) passes
+them as the ops' ``sink_logits``: ``exp(s_h)`` joins head h's softmax denominator, as in ``PagedCache``.
 The ops: on the CPU ``select_ops("auto")``, the C decode where it compiles (it steps through the pools by
 their strides, so it reads vLLM's block-major pages in place), else torch; on CUDA torch (qsinkkv's Triton
 kernels index contiguous head-major pools, not pages: not wired, and untested with vLLM on a GPU).
@@ -73,7 +74,8 @@ class QuantImpl(AttentionImpl):
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: Tensor | None = None) -> None:
         cfg = impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                          sinks)
+                          sinks, num_heads)
+        self.sinks = sinks  # [H] the layer's learned sink logits (gpt-oss), or None
         vllm_config = state.current_vllm_config()
         self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, float(scale), num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -96,7 +98,7 @@ class QuantImpl(AttentionImpl):
         into = output.view(-1, H, D)[:n]
         into = into if into.is_contiguous() else None
         out = attn_metadata.step.attend(self.ops, self._pools(kv_cache), query[:n].view(n, H, D), key[:n], value[:n],
-                                        scale=self.scale, out=into)
+                                        scale=self.scale, sink_logits=sink_logits(self.sinks), out=into)
         if into is None:
             output.view(-1, H, D)[:n] = out.to(output.dtype)
         return output
@@ -109,11 +111,17 @@ class QuantImpl(AttentionImpl):
 
 
 def impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-                sinks) -> CacheConfig:
+                sinks, num_heads: int) -> CacheConfig:
     """The engine's qsinkkv config for a layer's attention impl (bits 16 or 8/4); refuses, by name, what the
-    layer asks for that the backend does not serve."""
+    layer asks for that the backend does not serve. ``sinks``: the layer's learned sink logits (gpt-oss), one per
+    query head of this rank (``num_heads``), or None."""
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (num_heads,)
+                              or not sinks.is_floating_point()):
+        raise ValueError(f"qsinkkv's vLLM backend takes learned sinks as a float tensor of shape [num_heads="
+                         f"{num_heads}] (this rank's query heads), got {getattr(sinks, 'dtype', type(sinks).__name__)} "
+                         f"{tuple(getattr(sinks, 'shape', ()))}")
     refused = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
-               "logits_soft_cap": bool(logits_soft_cap), "attention sinks (learned)": sinks is not None,
+               "logits_soft_cap": bool(logits_soft_cap),
                "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
                f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
     bad = [name for name, on in refused.items() if on]
@@ -124,3 +132,10 @@ def impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sha
     if cfg is None or state.current_vllm_config() is None:
         raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
     return cfg
+
+
+def sink_logits(sinks: Tensor | None) -> Tensor | None:
+    """A layer's learned sinks as the ops take them (float32 ``[H]`` on its device; a float32 parameter as it is),
+    read at every forward: vLLM loads the weights into the parameter after the impl is made, through ``.data``
+    (which no version counter sees), so no copy is kept between steps."""
+    return None if sinks is None else sinks.detach().float()

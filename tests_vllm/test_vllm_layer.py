@@ -1,0 +1,185 @@
+"""One attention layer of the plugin driven in this process, without an engine: the metadata builder and the impl
+over vLLM-shaped pages and ``CommonAttentionMetadata`` made here by a tiny engine (a block table per request, pages
+from a free list, a slot mapping for the new tokens), against the core's ``PagedCache`` fed the same K/V.
+
+What a model with learned sinks (gpt-oss's ``sinks``) needs is tested here: the default model has none."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from qsinkkv import CacheConfig, trace
+from qsinkkv.engine_pages import PageLayout, pages_needed
+from qsinkkv.integrations.vllm import backend as backend_module
+from qsinkkv.integrations.vllm import state
+from qsinkkv.integrations.vllm.backend import QSinkKVBackend
+from qsinkkv.layout import WindowLayout
+from qsinkkv.paged import PagedCache
+
+Hkv, G, D = 2, 3, 32
+H = Hkv * G
+NUM_PAGES = 96
+
+
+class Layer:
+    """One layer of the plugin (builder + impl, as vLLM makes them for ``cfg``) over a pool of ``NUM_PAGES`` pages,
+    with a tiny engine's block tables: every logical block of a request gets a page of its own (none is handed back:
+    the builder reads only the sink and window blocks)."""
+
+    def __init__(self, cfg: CacheConfig, monkeypatch, sinks: torch.Tensor | None, backend: str = "auto"):
+        vllm_config = SimpleNamespace(device_config=SimpleNamespace(device="cpu"),
+                                      model_config=SimpleNamespace(dtype=torch.float32),
+                                      additional_config={}, scheduler_config=SimpleNamespace())
+        monkeypatch.setattr(state, "active", lambda: cfg)
+        monkeypatch.setattr(state, "current_vllm_config", lambda: vllm_config)
+        monkeypatch.setattr(state, "in_flight_tokens", lambda: 64)
+        if backend != "auto":  # the bits=16 impl's decode, chosen once at construction
+            monkeypatch.setattr(backend_module, "resolve_backend", lambda *args, **kwargs: backend)
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        spec = QSinkKVBackend.customize_spec(FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=Hkv,
+                                                               head_size=D, dtype=torch.float32))
+        self.cfg, self.bs = cfg, cfg.block_size
+        self.builder = QSinkKVBackend.get_builder_cls()(spec, ["layer.0"], vllm_config, torch.device("cpu"))
+        self.impl = QSinkKVBackend.get_impl_cls()(H, D, D ** -0.5, Hkv, None, None, "auto", sinks=sinks)
+        g = torch.Generator().manual_seed(3)
+        if cfg.bits == 16:  # vLLM's own pages: [blocks, Hkv, bs, 2 D] (a block's keys, then its values, per head)
+            self.kv_cache = torch.randn(NUM_PAGES, Hkv, cfg.block_size, 2 * D, generator=g)
+            self.kv_cache[0] = 0  # the null block
+        else:  # qsinkkv's pages: one opaque page per block
+            self.pages = PageLayout.of(cfg, Hkv, D)
+            self.kv_cache = torch.randint(0, 256, (NUM_PAGES, 1, 1, self.pages.page_bytes), dtype=torch.uint8,
+                                          generator=g)
+            self.kv_cache[0] = 0
+        self.free = list(range(1, NUM_PAGES))
+        self.tables: list[list[int]] = []
+        self.held: list[int] = []
+
+    def blocks_needed(self, tokens: int) -> int:
+        if self.cfg.bits == 16:
+            return -(-tokens // self.bs)
+        return pages_needed(WindowLayout(self.cfg), self.pages.pinned, tokens)
+
+    def metadata(self, rows: list[int], lens: list[int]) -> CommonAttentionMetadata:
+        """The step's metadata, as vLLM's runner hands it to the builder: rows ``rows`` bring ``lens`` tokens."""
+        for r, t in zip(rows, lens):
+            while len(self.tables) <= r:
+                self.tables.append([])
+                self.held.append(0)
+            while len(self.tables[r]) < self.blocks_needed(self.held[r] + t):
+                self.tables[r].append(self.free.pop(0))
+        width = max(len(self.tables[r]) for r in rows) + 1
+        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        slots = []
+        for i, (r, t) in enumerate(zip(rows, lens)):
+            table[i, :len(self.tables[r])] = torch.tensor(self.tables[r], dtype=torch.int32)
+            for p in range(self.held[r], self.held[r] + t):  # (bits=16: where each new token goes)
+                slots.append(self.tables[r][p // self.bs] * self.bs + p % self.bs if self.cfg.bits == 16 else -1)
+        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq_lens = torch.tensor([self.held[r] + t for r, t in zip(rows, lens)], dtype=torch.int32)
+        for r, t in zip(rows, lens):
+            self.held[r] += t
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq_lens.clone(), num_reqs=len(rows),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(lens), max_seq_len=int(seq_lens.max()),
+            block_table_tensor=table, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            seq_lens_cpu_upper_bound=seq_lens)
+
+    def step(self, rows: list[int], lens: list[int], q, k, v) -> torch.Tensor:
+        md = self.builder.build(0, self.metadata(rows, lens))
+        out = torch.full((q.shape[0], H * D), float("nan"))
+        return self.impl.forward(None, q, k, v, self.kv_cache, md, out).view(-1, H, D)
+
+
+def _schedule():
+    """(rows, lens) per step: prompts, decodes past the capacity, a chunk beside decoding rows, a late prompt."""
+    steps = [([0, 1], [20, 7])]
+    steps += [([0, 1], [1, 1])] * 30
+    steps += [([1, 0, 2], [1, 9, 13])]            # a chunk past the capacity beside a decode and a new prompt
+    steps += [([0, 1, 2], [1, 1, 1])] * 12
+    return steps
+
+
+def _drive(layer: Layer, sinks: torch.Tensor | None, exact: bool) -> list[tuple[str, str]]:
+    """Every step through the plugin's layer and through ``PagedCache`` (the same K/V and sink logits); returns the
+    kernels the layer ran (``trace``)."""
+    ref = PagedCache(layer.cfg, 1, Hkv, D, max_seqs=4, float_blocks=16, quant_blocks=32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    ran = []
+    for rows, lens in _schedule():
+        while len(ref.seq_ids) <= max(rows):
+            ref.admit()
+        N = sum(lens)
+        q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), \
+            torch.randn(N, Hkv, D, generator=g)
+        with trace.recording() as layer_ran:
+            got = layer.step(rows, lens, q, k, v)
+        ran += layer_ran
+        # PagedCache's rows are its admission order: the same tokens, reordered
+        starts = dict(zip(rows, torch.tensor([0, *lens]).cumsum(0).tolist()))
+        ref_lens = [lens[rows.index(r)] if r in rows else 0 for r in range(len(ref.seq_ids))]
+        order = torch.cat([torch.arange(starts[r], starts[r] + lens[rows.index(r)]) for r in sorted(rows)])
+        ref_qsl = torch.tensor([0, *torch.tensor(ref_lens).cumsum(0).tolist()])
+        expect = ref.attend_packed(0, q[order], k[order], v[order], ref_qsl, sink_logits=sinks)
+        if exact:
+            assert torch.equal(got[order], expect), f"rows {rows} lens {lens}: max diff {(got[order] - expect).abs().max()}"
+        else:
+            torch.testing.assert_close(got[order], expect, rtol=2e-5, atol=2e-5)
+    return ran
+
+
+def _sinks(g: torch.Generator) -> torch.Tensor:
+    sinks = torch.randn(H, generator=g) + 1.5  # (enough to take much of the mass)
+    sinks[2] = float("-inf")                    # a head with no sink
+    return sinks
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("learned_sinks", [False, True])
+def test_a_quantized_layer_equals_paged_cache(monkeypatch, bits, learned_sinks):
+    """bits 8/4 (qsinkkv's pages, the C engine step for the decode steps): every step's output equals
+    ``PagedCache`` fed the same K/V (and learned sink logits, one head's -inf), bit for bit."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=bits, block_size=8, value_group_size=16,
+                      sink_dtype=torch.float32, window_dtype=torch.float32, scale_dtype=torch.float32)
+    sinks = _sinks(torch.Generator().manual_seed(bits)) if learned_sinks else None
+    layer = Layer(cfg, monkeypatch, sinks)
+    ran = _drive(layer, sinks, exact=True)
+    assert ("engine_step", "c") in ran and ("prefill", "torch") in ran
+
+
+@pytest.mark.parametrize("decode", ["c", "torch"])
+@pytest.mark.parametrize("learned_sinks", [False, True])
+def test_a_bits16_layer_equals_paged_cache(monkeypatch, decode, learned_sinks):
+    """bits=16 (vLLM's own pages; the C decode, or the torch one, and SDPA's prefill): every step's output equals
+    ``PagedCache`` fed the same K/V (and learned sink logits), to float32 rounding."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=16, block_size=16, sink_dtype=torch.float32,
+                      window_dtype=torch.float32)
+    sinks = _sinks(torch.Generator().manual_seed(16)) if learned_sinks else None
+    layer = Layer(cfg, monkeypatch, sinks, backend=decode)
+    ran = _drive(layer, sinks, exact=False)
+    assert ("decode", decode) in ran and ("decode", {"c": "torch", "torch": "c"}[decode]) not in ran
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_nan_sink_logits_are_refused_with_every_page_as_it_was(monkeypatch, bits):
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=bits, block_size=16 if bits == 16 else 8,
+                      value_group_size=16)
+    sinks = torch.zeros(H)
+    layer = Layer(cfg, monkeypatch, sinks)
+    g = torch.Generator().manual_seed(0)
+    layer.step([0], [10], torch.randn(10, H, D, generator=g), torch.randn(10, Hkv, D, generator=g),
+               torch.randn(10, Hkv, D, generator=g))
+    sinks[1] = float("nan")  # (vLLM loads the weights in place: the impl reads them at every forward)
+    before = layer.kv_cache.clone()
+    with pytest.raises(ValueError, match="sink_logits must be free of NaN"):
+        layer.step([0], [1], torch.randn(1, H, D, generator=g), torch.randn(1, Hkv, D, generator=g),
+                   torch.randn(1, Hkv, D, generator=g))
+    assert torch.equal(layer.kv_cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_sinks_of_another_shape_are_refused_by_name(monkeypatch):
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=8, value_group_size=16)
+    with pytest.raises(ValueError, match=r"learned sinks as a float tensor of shape \[num_heads=6\]"):
+        Layer(cfg, monkeypatch, torch.zeros(H + 1))

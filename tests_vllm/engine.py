@@ -15,7 +15,7 @@ into ``PagedCache``),
 refusals (each prompt added to the engine on its own: one that vLLM refuses at ``add_request`` -- e.g. a prompt
 not shorter than max_model_len -- gets its message in ``refused`` and ``None`` in ``tokens``, the others run; without
 it ``LLM.generate`` raises for the whole batch).
-Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), block_size,
+Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), block_size, prefix_caching (on or off),
 held_blocks (per request: the most it held, and what it held at its end), with refusals ``refused`` ({index:
 message}) and ``finish_reasons``, or error (the message of the exception that stopped the engine).
 """
@@ -76,7 +76,8 @@ def run(spec: dict) -> dict:
     except Exception as e:  # what stopped the engine at start
         return {"error": f"{type(e).__name__}: {e}"}
     cache = llm.llm_engine.vllm_config.cache_config
-    out = {"block_size": cache.block_size, "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size}
+    out = {"block_size": cache.block_size, "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
+           "prefix_caching": cache.enable_prefix_caching}
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     if spec.get("warmup"):

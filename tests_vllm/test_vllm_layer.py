@@ -124,7 +124,8 @@ def _drive(layer: Layer, sinks: torch.Tensor | None, exact: bool) -> list[tuple[
         ref_qsl = torch.tensor([0, *torch.tensor(ref_lens).cumsum(0).tolist()])
         expect = ref.attend_packed(0, q[order], k[order], v[order], ref_qsl, sink_logits=sinks)
         if exact:
-            assert torch.equal(got[order], expect), f"rows {rows} lens {lens}: max diff {(got[order] - expect).abs().max()}"
+            assert torch.equal(got[order], expect), \
+                f"rows {rows} lens {lens}: max diff {(got[order] - expect).abs().max()}"
         else:
             torch.testing.assert_close(got[order], expect, rtol=2e-5, atol=2e-5)
     return ran

@@ -153,7 +153,15 @@ def test_bad_config_stops_the_engine_naming_the_field(bad, field):
     assert "error" in out and field in out["error"], out
 
 
-def test_prefix_caching_is_refused():
+def test_prefix_caching_asked_for_is_refused_and_left_unset_is_turned_off():
+    """vLLM's default (prefix caching on) just works: left unset, the plugin turns it off; asked for, it stops the
+    engine at start, naming the field."""
     out = run_engine({"prompts": [[1, 2, 3]], "max_tokens": 2, "qsinkkv": WIDE,
                       "llm": {"enable_prefix_caching": True}}, timeout=240)
     assert "error" in out and "enable_prefix_caching" in out["error"], out
+    out = run_engine({"prompts": [[1, 2, 3]], "max_tokens": 2, "qsinkkv": WIDE,
+                      "llm": {"enable_prefix_caching": None}}, timeout=240)  # (engine.py's LLM() as a new user's)
+    assert "error" not in out and out["prefix_caching"] is False and len(out["tokens"][0]) == 2, out
+    stock = run_engine({"prompts": [[1, 2, 3]], "max_tokens": 2, "qsinkkv": None,
+                        "llm": {"enable_prefix_caching": None}}, timeout=240)
+    assert "error" not in stock and stock["prefix_caching"] is True, stock  # (a stock engine keeps vLLM's default)

@@ -120,7 +120,8 @@ def serving(args: list[str], config: dict, name: str):
 
 @pytest.fixture(scope="module")
 def server():
-    with serving(["--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "512",
+    # (no --no-enable-prefix-caching: vLLM's default, which the plugin turns off with one log line)
+    with serving(["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
                   "--max-num-seqs", str(STREAMS)], CONFIG, "serve") as running:
         yield running
 
@@ -133,6 +134,7 @@ def test_completions_and_chat_answer(server):
     out = _post(port, "/v1/chat/completions", {"model": model, "max_tokens": 12, "temperature": 0,
                                                "messages": [{"role": "user", "content": "Say hello."}]})
     assert out["choices"][0]["message"]["content"].strip()
+    assert "qsinkkv: prefix caching turned off" in Path(server["log"]).read_text()  # (left unset: vLLM's default)
 
 
 def test_bounded_concurrent_streams_complete_and_blocks_come_back(server):

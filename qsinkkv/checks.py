@@ -193,6 +193,31 @@ def table(name: str, table: Tensor, blocks: int, pool: str, none_ok: bool = True
                          + f"; got {bad}")
 
 
+def table_in_step(name: str, entries: Tensor, blocks: int, pool: str, none_ok: bool = True) -> None:
+    """``table``'s check of ``entries`` without a host read, for a table an engine's step gathers on its device: one
+    reduction and ``torch._assert_async``. On the CPU the assert raises at once, and the error is ``table``'s (naming
+    the entries); on a GPU it is a device-side assert, raised at the next sync: the step stops the engine instead of
+    touching a page outside the pool (its message is generic there; the condition is this one)."""
+    if not entries.numel():
+        return
+    fits = ((entries >= (-1 if none_ok else 0)) & (entries < blocks)).all()
+    try:
+        torch._assert_async(fits, f"qsinkkv: {name} names a block outside {pool} [0, {blocks})")
+    except RuntimeError:  # (the CPU's assert: synchronous)
+        table(name, entries, blocks, pool, none_ok)
+        raise
+
+
+def condition_in_step(holds: Tensor, error) -> None:
+    """``holds`` (a bool tensor on the step's device) must be true: ``torch._assert_async`` (no host read: on a GPU a
+    device-side assert, which stops the engine at the next sync); on the CPU ``error()`` (a callable: the error is
+    built only when raised) is raised at once."""
+    try:
+        torch._assert_async(holds, "qsinkkv: an engine step's condition failed")
+    except RuntimeError:
+        raise error() from None
+
+
 # --- values: nothing that is NaN/Inf, or becomes so once stored, reaches a block -----------------------
 
 def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor, v: Tensor, q: Tensor | None,

@@ -19,7 +19,9 @@ rest of the sequence: finish, abort and preemption free them as the engine frees
 
 ``step_tables`` turns a step's block table into the tables of two records over the same pools: the float
 ring's pages, the quantized ring as it stands (``read``: what the prefill reads) and with this step's
-completing blocks at their new pages (``store``: where the write puts them, what the decode reads);
+completing blocks at their new pages (``store``: where the write puts them, what the decode reads); which logical
+page each entry is follows from the lengths (host), the pages are gathered where the engine's table lives, and
+nothing is read back to the host (no device sync: its checks are ``torch._assert_async``);
 ``attend_packed`` runs one layer's packed step (``step.attend_split``, the code ``SinkQuantCache`` runs) over
 them. ``EngineStep`` holds a step's tables and runs each layer over its pools (``LayerPools``, made once for the
 engine's life). A ring slot whose block is gone, not yet written, or no longer visible names the engine's null
@@ -146,21 +148,26 @@ def _ring_blocks(layout: WindowLayout, held: Tensor) -> Tensor:
 
 def _pages(table: Tensor, block: Tensor, first: Tensor, null_page: int, pinned: int) -> Tensor:
     """The page of each block, or ``null_page`` where it is not there yet or older than logical page ``first``
-    (handed back: a freed page may already hold another sequence's bytes)."""
+    (handed back: a freed page may already hold another sequence's bytes). ``block``, ``first``: host, from the
+    lengths; the gather runs where ``table`` lives."""
     logical = pinned + block
     live = (block >= 0) & (logical >= first.unsqueeze(1)) & (logical < table.shape[1])
-    return torch.where(live, table.gather(1, logical.clamp(min=0, max=table.shape[1] - 1)), null_page)
+    where = logical.clamp(min=0, max=table.shape[1] - 1).to(table.device, non_blocking=True)
+    return torch.where(live.to(table.device, non_blocking=True), table.gather(1, where), null_page)
 
 
 def step_tables(pages: PageLayout, block_table: Tensor, held: Tensor, lens: Tensor, null_page: int = 0,
                 num_pages: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A step's tables, from the engine's ``block_table [B, >= pages_needed]`` (host int, logical -> page), the
-    tokens each row holds before the step ``held [B]`` and its new tokens ``lens [B]`` (host int64):
-    ``(sink_table [B], float_table [B, float_pages], quant_read [B, nq], quant_store [B, nq])``: the sink page,
-    the float ring's pages, the quantized ring before the step, and with the blocks this step completes at their
-    pages. Raises if a page the step writes is the null page or past the table (the engine did not allocate it),
-    or if a page the step uses is negative or, given the pool's ``num_pages``, past the pool (``EngineStep`` checks
-    every layer's pool against the tables once per step)."""
+    """A step's tables, from the engine's ``block_table [B, >= pages_needed]`` (int, logical -> page, on the host or
+    the engine's device), the tokens each row holds before the step ``held [B]`` and its new tokens ``lens [B]``
+    (host int64): ``(sink_table [B], float_table [B, float_pages], quant_read [B, nq], quant_store [B, nq])`` int64
+    on the table's device: the sink page, the float ring's pages, the quantized ring before the step, and with the
+    blocks this step completes at their pages. Which logical page each entry is follows from the lengths alone (on
+    the host); the pages are gathered where the table lives, and nothing is read back to the host (no device sync
+    in an engine's step). Refuses (on the CPU at once, by name; on a GPU as a device-side assert: the engine stops)
+    a step whose block table names the null page (or no page) where the step writes -- the engine did not allocate
+    it -- or names a negative page, or, given the pool's ``num_pages``, one past the pool (``EngineStep`` checks
+    every layer's pool against the tables once per pool size)."""
     layout, pinned = pages.layout, pages.pinned
     table = block_table.long()
     if not 0 <= null_page < (num_pages or null_page + 1):
@@ -176,17 +183,24 @@ def step_tables(pages: PageLayout, block_table: Tensor, held: Tensor, lens: Tens
     completing = (block_store != block_read) & (pinned + block_store >= first_page(layout, pinned, held + lens - 1)
                                                 .unsqueeze(1))
     busy = lens > 0
-    unallocated = ((completing & (quant_store == null_page)).any(1)
-                   | (busy & (held < layout.sink_tokens) & (sink_table == null_page))
-                   | (busy & (held + lens > layout.sink_tokens) & (float_table == null_page).any(1)))
-    if bool(unallocated.any()):
-        raise RuntimeError("qsinkkv: the engine's block table names the null page (or no page) where this step writes "
-                           f"a sink, a float-ring row or a completing block: rows "
-                           f"{unallocated.nonzero().flatten().tolist()} hold {held[unallocated].tolist()} tokens and "
-                           f"bring {lens[unallocated].tolist()}")
+    writes_sink = busy & (held < layout.sink_tokens)
+    writes_float = busy & (held + lens > layout.sink_tokens)
+    on = table.device
+    unallocated = ((completing.to(on) & (quant_store == null_page)).any(1)
+                   | (writes_sink.to(on) & (sink_table == null_page))
+                   | (writes_float.to(on) & (float_table == null_page).any(1)))
+
+    def error() -> RuntimeError:
+        rows = unallocated.cpu()
+        return RuntimeError("qsinkkv: the engine's block table names the null page (or no page) where this step "
+                            "writes a sink, a float-ring row or a completing block: rows "
+                            f"{rows.nonzero().flatten().tolist()} hold {held[rows].tolist()} tokens and bring "
+                            f"{lens[rows].tolist()}")
+
+    checks.condition_in_step(~unallocated.any(), error)
     used = (sink_table, float_table, quant_read, quant_store)
-    checks.table("block_table", torch.cat([t.flatten() for t in used]), num_pages or 1 << 62,
-                 "the engine's pool" if num_pages else "an engine's pool (pages are >= 0)", none_ok=False)
+    checks.table_in_step("block_table", torch.cat([t.flatten() for t in used]), num_pages or 1 << 62,
+                         "the engine's pool" if num_pages else "an engine's pool (pages are >= 0)", none_ok=False)
     return used
 
 
@@ -207,13 +221,14 @@ class LayerPools:
 TABLE_NAMES = ("sink_table", "float_table", "quant_read", "quant_store")
 
 
-def storages(layer: LayerPools, layout: WindowLayout, tables: tuple[Tensor, Tensor, Tensor, Tensor], held: Tensor
-             ) -> tuple[LayerStorage, LayerStorage]:
+def storages(layer: LayerPools, layout: WindowLayout, tables: tuple[Tensor, Tensor, Tensor, Tensor], held: Tensor,
+             checked: bool = False) -> tuple[LayerStorage, LayerStorage]:
     """The ``(read, store)`` records of one layer for a step: its pools and the step's tables (``step_tables``:
-    computed once per step, for every layer, and checked here against this layer's pages); one ``seq_lens`` (a
-    copy of ``held``), which the write advances."""
+    computed once per step, for every layer, and checked here against this layer's pages, unless ``checked``: the
+    caller did for a pool of this size); one ``seq_lens`` (a copy of ``held``), which the write advances."""
     sink_table, float_table, quant_read, quant_store = tables
-    _check_pools(layer, tables)
+    if not checked:
+        _check_pools(layer, tables)
     device = layer.pools["key_codes"].device
     read = LayerStorage(layout, **layer.pools, sink_table=sink_table.to(device), float_table=float_table.to(device),
                         quant_table=quant_read.to(device), seq_lens=held.clone(), dense=False)
@@ -221,10 +236,10 @@ def storages(layer: LayerPools, layout: WindowLayout, tables: tuple[Tensor, Tens
 
 
 def _check_pools(layer: LayerPools, tables: tuple[Tensor, ...]) -> None:
-    """The step's tables name pages of this layer's pool (host min/max)."""
+    """The step's tables name pages of this layer's pool (``checks.table_in_step``: no host read)."""
     for name, t in zip(TABLE_NAMES, tables):
-        checks.table(f"the step's {name} (from the engine's block_table)", t, layer.num_pages, "this layer's pages",
-                     none_ok=False)
+        checks.table_in_step(f"the step's {name} (from the engine's block_table)", t, layer.num_pages,
+                             "this layer's pages", none_ok=False)
 
 
 def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, *,
@@ -260,18 +275,20 @@ class EngineStep:
     def __init__(self, layout: WindowLayout, held: Tensor, lens: Tensor, tables: tuple[Tensor, Tensor, Tensor, Tensor]):
         self.layout, self.held, self.tables = layout, held, tables
         self.query_start_loc = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
-        self.decoding = bool((lens == 1).all()) and bool((held >= max(layout.sink_tokens, 1)).all())
-        # the pages the step names, past which a layer's pool must reach (an int compare per layer)
-        named = torch.cat([t.flatten() for t in tables])
-        least, most = (int(x) for x in torch.aminmax(named)) if named.numel() else (0, -1)
-        if least < 0:  # (step_tables refuses these: tables made otherwise)
-            checks.table("block_table", named, 1 << 62, "a pool (entries >= 0)", none_ok=False)
-        self.pages_named = most + 1
+        self.decoding = bool((lens == 1).all()) and bool((held >= max(layout.sink_tokens, 1)).all())  # (host)
+        self._pool_pages = None  # the pool size the tables were checked against (every layer of an engine: one)
         self._engine = None
+
+    def _check(self, layer: LayerPools) -> None:
+        """The tables name pages of ``layer``'s pool: checked once per pool size (no host read on a device)."""
+        if layer.num_pages != self._pool_pages:
+            _check_pools(layer, self.tables)
+            self._pool_pages = layer.num_pages
 
     def records(self, layer: LayerPools) -> tuple[LayerStorage, LayerStorage]:
         """``storages`` of ``layer`` for this step."""
-        return storages(layer, self.layout, self.tables, self.held)
+        self._check(layer)
+        return storages(layer, self.layout, self.tables, self.held, checked=True)
 
     def fused(self, ops) -> bool:
         return self.decoding and ops.engine_decode is not None
@@ -282,8 +299,7 @@ class EngineStep:
         the engine's output buffer: a fused step writes it in place, in its dtype) and returned. ``sink_logits [H]``
         float32: the layer's learned sinks, or None."""
         if self.fused(ops):
-            if self.pages_named > layer.num_pages:
-                _check_pools(layer, self.tables)  # raises, naming the table
+            self._check(layer)
             if self._engine is None:
                 self._engine = ops.engine_decode(self.records(layer)[1])
             return self._engine.run(layer, q, k, v, scale, out, sink_logits)

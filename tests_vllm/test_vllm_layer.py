@@ -2,13 +2,15 @@
 over vLLM-shaped pages and ``CommonAttentionMetadata`` made here by a tiny engine (a block table per request, pages
 from a free list, a slot mapping for the new tokens), against the core's ``PagedCache`` fed the same K/V.
 
-What a model with learned sinks (gpt-oss's ``sinks``) needs is tested here: the default model has none."""
+What a model with learned sinks (gpt-oss's ``sinks``) needs is tested here (the default model has none), and that
+the builders plan a step without reading a device tensor on the host (``gpu_rules.py``)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_rules import GpuRules, HostSync, on_gpu, values
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from qsinkkv import CacheConfig, trace
@@ -29,8 +31,9 @@ class Layer:
     with a tiny engine's block tables: every logical block of a request gets a page of its own (none is handed back:
     the builder reads only the sink and window blocks)."""
 
-    def __init__(self, cfg: CacheConfig, monkeypatch, sinks: torch.Tensor | None, backend: str = "auto"):
-        vllm_config = SimpleNamespace(device_config=SimpleNamespace(device="cpu"),
+    def __init__(self, cfg: CacheConfig, monkeypatch, sinks: torch.Tensor | None, backend: str = "auto",
+                 device: str = "cpu"):
+        vllm_config = SimpleNamespace(device_config=SimpleNamespace(device=device),
                                       model_config=SimpleNamespace(dtype=torch.float32),
                                       additional_config={}, scheduler_config=SimpleNamespace())
         monkeypatch.setattr(state, "active", lambda: cfg)
@@ -184,3 +187,83 @@ def test_sinks_of_another_shape_are_refused_by_name(monkeypatch):
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=8, value_group_size=16)
     with pytest.raises(ValueError, match=r"learned sinks as a float tensor of shape \[num_heads=6\]"):
         Layer(cfg, monkeypatch, torch.zeros(H + 1))
+
+
+def _on_gpu(md: CommonAttentionMetadata) -> CommonAttentionMetadata:
+    """``md`` with the fields vLLM keeps on its GPU standing for CUDA tensors (the ``*_cpu`` ones stay on the host)."""
+    return md.replace(query_start_loc=on_gpu(md.query_start_loc), seq_lens=on_gpu(md.seq_lens),
+                      block_table_tensor=on_gpu(md.block_table_tensor), slot_mapping=on_gpu(md.slot_mapping))
+
+
+def _same(a, b, path="metadata") -> None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert torch.equal(values(a), values(b)), path
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif hasattr(a, "__dataclass_fields__"):
+        for name in a.__dataclass_fields__:
+            _same(getattr(a, name), getattr(b, name), f"{path}.{name}")
+    elif hasattr(a, "__dict__") and type(a).__module__.startswith("qsinkkv"):
+        for name, x in vars(a).items():
+            _same(x, vars(b)[name], f"{path}.{name}")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_a_step_is_planned_without_reading_a_device_tensor_on_the_host(monkeypatch, bits):
+    """On a GPU, ``build`` runs once per step before every layer's forward: a device-to-host copy or ``.item()`` there
+    would stall the step. Every step of the schedule (prompts, decodes past the capacity, a chunk beside decoding
+    rows, a late prompt) is built from metadata whose device fields stand for CUDA tensors, under ``GpuRules``: no
+    host read of them, no host tensor mixed into a device op; the metadata equals the build from host tensors."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=bits, block_size=16 if bits == 16 else 8,
+                      value_group_size=16)
+    layer = Layer(cfg, monkeypatch, None, device="cuda")
+    for rows, lens in _schedule():
+        md = layer.metadata(rows, lens)
+        plain = layer.builder.build(0, md)
+        with GpuRules():
+            built = layer.builder.build(0, _on_gpu(md))
+        _same(built, plain)
+    # the rules catch what build must not do
+    with GpuRules(), pytest.raises(HostSync):
+        _on_gpu(md).seq_lens.cpu()
+    with GpuRules(), pytest.raises(HostSync):
+        int(_on_gpu(md).block_table_tensor.max())
+    with GpuRules(), pytest.raises(HostSync):
+        _on_gpu(md).slot_mapping.tolist()
+    with GpuRules(), pytest.raises(HostSync):
+        _on_gpu(md).block_table_tensor[torch.tensor([0])]
+
+
+@pytest.mark.parametrize("learned_sinks", [False, True])
+def test_a_bits16_forward_reads_no_device_tensor_on_the_host(monkeypatch, learned_sinks):
+    """bits=16 on a GPU (the torch decode and SDPA's prefill over vLLM's pages): the forward of every step, its q, k,
+    v, pages, output and learned sinks standing for CUDA tensors, runs under ``GpuRules`` (no host read, no host
+    tensor in a device op) and gives what the same forward gives on host tensors."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=16, block_size=16, sink_dtype=torch.float32,
+                      window_dtype=torch.float32)
+    sinks = _sinks(torch.Generator().manual_seed(5)) if learned_sinks else None
+    layer = Layer(cfg, monkeypatch, sinks, device="cuda")
+    assert not layer.impl.c_decode
+    if learned_sinks:
+        layer.impl.sinks = on_gpu(sinks)
+    host_pages = layer.kv_cache.clone()
+    g = torch.Generator().manual_seed(2)
+    for rows, lens in _schedule():
+        N = sum(lens)
+        q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), \
+            torch.randn(N, Hkv, D, generator=g)
+        md = layer.metadata(rows, lens)
+        expect = torch.full((N, H * D), float("nan"))
+        layer.impl.sinks = sinks
+        layer.impl.forward(None, q, k, v, host_pages, layer.builder.build(0, md), expect)
+        layer.impl.sinks = None if sinks is None else on_gpu(sinks)
+        out = on_gpu(torch.full((N, H * D), float("nan")))
+        with GpuRules():
+            built = layer.builder.build(0, _on_gpu(md))
+            layer.impl.forward(None, on_gpu(q), on_gpu(k), on_gpu(v), on_gpu(layer.kv_cache), built, out)
+        assert torch.equal(values(out), expect)
+    assert torch.equal(layer.kv_cache, host_pages)

@@ -64,7 +64,7 @@ def register() -> None:
         if cfg is None or getattr(attn_selector_config, "use_mla", False):
             return select(selected_backend, attn_selector_config, *args, **kwargs)
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-        member = AttentionBackendEnum.CUSTOM if current_platform.is_cuda_alike() else AttentionBackendEnum.CPU_ATTN
+        member = AttentionBackendEnum[backend_member()]
         register_backend(member, BACKEND_PATH)  # idempotent: the same path every time
         return member.get_path()
 
@@ -97,6 +97,13 @@ def _prefix_caching_off_unless_asked() -> None:
 
     create_engine_config._qsinkkv_wrapped = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def backend_member() -> str:
+    """The member of vLLM's ``AttentionBackendEnum`` the backend is registered under (and names itself by): ``CUSTOM``
+    on CUDA/ROCm, ``CPU_ATTN`` (overridden: vLLM's CPU platform ignores ``--attention-backend``) on the CPU."""
+    from vllm.platforms import current_platform
+    return "CUSTOM" if current_platform.is_cuda_alike() else "CPU_ATTN"
 
 
 def _validate(vllm_config) -> None:

@@ -44,8 +44,8 @@ from ...engine_pages import PageLayout
 from ...layout import visible_mask
 from ...ops import resolve_backend
 from ...step import token_positions
-from . import state
-from .quantized import QuantImpl, QuantMetadataBuilder, impl_config, sink_logits
+from . import backend_member, state
+from .quantized import QuantImpl, QuantMetadataBuilder, host_seq_lens, impl_config, sink_logits
 from .spec import QSinkKVSpec
 
 
@@ -62,7 +62,7 @@ class QSinkKVBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "CPU_ATTN"  # the member it overrides (vLLM compares names with the enum's)
+        return backend_member()  # the member it is registered under (vLLM compares names with the enum's)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -104,8 +104,8 @@ class QSinkKVBackend(AttentionBackend):
 class QSinkKVMetadata:
     num_actual_tokens: int
     # where the new K/V go (vLLM's slot mapping without its padding)
-    write_at: Tensor             # [n] int64 the tokens written (those with a slot), increasing
-    write_slots: Tensor          # [n] int64 their slots (block * bs + row)
+    write_at: Tensor             # [n] int64 host: the tokens written (the step's real ones), increasing
+    write_slots: Tensor          # [n] int64 their slots (block * bs + row), on vLLM's device
     write_seqs: Tensor           # [n] int64 zeros: a slot is read as a row of one table of every block
     is_sink: Tensor | None       # [N] bool: the token is one of its sequence's first S (None: none is)
     # the rows with one new token, batched
@@ -128,29 +128,37 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
         self.sink_blocks = -(-self.S // self.bs)              # blocks the sinks span
         self.window_blocks = -(-self.W // self.bs) + 1        # blocks a window of W tokens can span
         self.offsets = torch.arange(self.bs)
+        # the decode the impls take (ops.resolve_backend, chosen alike in each): the C one prepares once per step here
+        self.c_decode = resolve_backend("auto", torch.device(vllm_config.device_config.device),
+                                        kv_cache_spec.head_size, None, vllm_config.model_config.dtype) == "c"
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> QSinkKVMetadata:
+        """The step's metadata: planned on the host from vLLM's host copies of the lengths (``query_start_loc_cpu``,
+        ``seq_lens_cpu_upper_bound``); the blocks gathered where vLLM's block table lives and the host plan moved
+        there (host-to-device); nothing is copied back to the host (no device sync per step on a GPU)."""
         common = common_attn_metadata
         S, W, bs, ns, nw = self.S, self.W, self.bs, self.sink_blocks, self.window_blocks
-        B, N = common.num_reqs, common.num_actual_tokens
+        B = common.num_reqs
         qsl = common.query_start_loc_cpu[:B + 1].long()
-        seq_lens = common.seq_lens[:B].cpu().long()
+        seq_lens = host_seq_lens(common)
         qlen = qsl[1:] - qsl[:-1]
-        table = common.block_table_tensor[:B].cpu().long()
+        N = int(qsl[-1]) if B else 0                     # the step's real tokens (past them: vLLM's padding)
+        table = common.block_table_tensor[:B]            # [B, blocks] on vLLM's device
+        on = table.device
         start = seq_lens - qlen                          # position of each row's first new token
         is_sink = None
         if S and B and int(start.min()) < S:
-            pos = token_positions(start, qlen)
-            is_sink = torch.zeros(N, dtype=torch.bool)
-            is_sink[:pos.shape[0]] = pos < S
+            is_sink = torch.zeros(common.num_actual_tokens, dtype=torch.bool)   # (vLLM's padding: none)
+            is_sink[:N] = token_positions(start, qlen) < S
+            is_sink = is_sink.to(on, non_blocking=True)
 
         dec = (qlen == 1).nonzero().squeeze(1)
         dec_lens = seq_lens[dec]
         last = (dec_lens - 1) // bs
         window = last.unsqueeze(1) - nw + 1 + torch.arange(nw)                     # [Bd, nw] logical blocks
         logical = torch.cat((torch.arange(ns).expand(dec.shape[0], ns), window), dim=1)
-        dec_blocks = table[dec].gather(1, logical.clamp(min=0))
+        dec_blocks = table[dec.to(on)].gather(1, logical.clamp(min=0).to(on)).long()
         valid = torch.cat((torch.ones(dec.shape[0], ns, dtype=torch.bool), window >= ns), dim=1)
         pos = (logical.unsqueeze(2) * bs + self.offsets).flatten(1)                # [Bd, nb * bs]
         pos = torch.where(valid.repeat_interleave(bs, dim=1) & (pos < dec_lens.unsqueeze(1)), pos, -1)
@@ -165,12 +173,15 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
             kpos = (logical.unsqueeze(1) * bs + self.offsets).flatten()
             kpos = torch.where(kpos < p1, kpos, -1)
             mask = visible_mask(torch.arange(p0, p1), kpos, S, W)                  # [T, nb * bs]
-            prefills.append((int(qsl[b]), int(qsl[b + 1]), table[b, logical], mask))
-        dec_c = decode_c.BlocksDecode(dec_blocks, dec_bias.view(dec.shape[0], -1)) if dec.shape[0] else None
-        slots = common.slot_mapping[:N].cpu().long()
-        write_at = (slots >= 0).nonzero().squeeze(1)
-        return QSinkKVMetadata(N, write_at, slots[write_at], torch.zeros_like(write_at), is_sink, qsl[:-1][dec],
-                               dec_blocks, dec_bias, dec_c, 0 < dec.shape[0] == N, prefills)
+            prefills.append((int(qsl[b]), int(qsl[b + 1]), table[b][logical.to(on)].long(), mask.to(on)))
+        dec_c = None
+        if self.c_decode and dec.shape[0]:  # (the C decode reads host tables: the CPU's)
+            dec_c = decode_c.BlocksDecode(dec_blocks, dec_bias.view(dec.shape[0], -1))
+        write_at = torch.arange(N)
+        return QSinkKVMetadata(common.num_actual_tokens, write_at, common.slot_mapping[:N].long(),
+                               torch.zeros(N, dtype=torch.long, device=on), is_sink, qsl[:-1][dec].to(on),
+                               dec_blocks, dec_bias.to(on), dec_c, 0 < dec.shape[0] == common.num_actual_tokens,
+                               prefills)
 
 
 class QSinkKVImpl(AttentionImpl):
@@ -204,8 +215,9 @@ class QSinkKVImpl(AttentionImpl):
         nblocks, Hkv, bs, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(nblocks, Hkv, 2 * bs, -1).chunk(2, dim=2)   # [nb, Hkv, bs, D] each
         logits = sink_logits(self.sinks)
-        if logits is not None and not checks.sink_logits_fit(logits.cpu().numpy()):
-            raise ValueError(checks.SINK_LOGITS_REFUSED)  # (before anything is written)
+        if logits is not None:  # (before anything is written; on a GPU a device-side assert, no host read)
+            checks.condition_in_step(~(torch.isnan(logits) | (logits == float("inf"))).any(),
+                                     lambda: ValueError(checks.SINK_LOGITS_REFUSED))
         self._write(key[:n], value[:n], key_cache, value_cache, md, bs)
         out = output.view(-1, self.num_heads, self.head_size)
         if md.all_decode:  # vLLM's common step: q and the output as they lie, no gather, no scatter
@@ -228,7 +240,8 @@ class QSinkKVImpl(AttentionImpl):
                 return r
             k, v = rounded(k), rounded(v)
         nblocks = key_cache.shape[0]
-        if self.every_block is None or self.every_block.shape[1] != nblocks:
+        if (self.every_block is None or self.every_block.shape[1] != nblocks
+                or self.every_block.device != key_cache.device):
             # [1, blocks]: slot // bs is its block (on the pages' device, where the torch writer indexes it)
             self.every_block = torch.arange(nblocks, device=key_cache.device).unsqueeze(0)
         self.store_rows(key_cache.transpose(0, 1), value_cache.transpose(0, 1), self.every_block, k, v, md.write_at,
@@ -264,7 +277,7 @@ class QSinkKVImpl(AttentionImpl):
         if logits is not None:  # an extra key and value of zeros per KV head, its score each query head's logit
             k, v = (torch.cat((x, x.new_zeros(x.shape[0], 1, D)), dim=1) for x in (k, v))
             T = q.shape[0]
-            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
             mask = torch.cat((bias.expand(self.num_heads, T, -1), logits.view(-1, 1, 1).expand(-1, T, 1)), dim=-1)
         out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.group > 1)

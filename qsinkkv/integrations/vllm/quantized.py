@@ -8,7 +8,8 @@ allocates exactly those and hands back the blocks that leave the window. Every b
 vLLM's pool: finish, abort and preemption free it with the rest, through vLLM's own block pool.
 
 Per step the metadata builder (once, for all layers) turns vLLM's block table into the tables of
-``engine_pages.step_tables``, held by the step's ``engine_pages.EngineStep``; per
+``engine_pages.step_tables`` (planned from vLLM's host copies of the lengths, the pages gathered where the block
+table lives: no host copy of a device tensor), held by the step's ``engine_pages.EngineStep``; per
 layer the forward runs it over the layer's pools (``engine_pages.LayerPools``, made once): ``attend_packed``
 (qsinkkv's checks, write (quantize-once as a block completes), prefill and decode -- the code ``PagedCache``
 runs, so one layer's output equals ``PagedCache`` fed the same K/V), or for a decode step on the CPU the same
@@ -63,8 +64,9 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         B = common.num_reqs
         qsl = common.query_start_loc_cpu[:B + 1].long()
         lens = qsl[1:] - qsl[:-1]
-        held = common.seq_lens[:B].cpu().long() - lens
-        tables = step_tables(self.pages, common.block_table_tensor[:B].cpu(), held, lens, null_page=0)
+        held = host_seq_lens(common) - lens
+        # (the pages gathered where vLLM's block table lives: nothing is copied to the host)
+        tables = step_tables(self.pages, common.block_table_tensor[:B], held, lens, null_page=0)
         return QuantMetadata(common.num_actual_tokens, EngineStep(self.layout, held, lens, tables))
 
 
@@ -132,6 +134,17 @@ def impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sha
     if cfg is None or state.current_vllm_config() is None:
         raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
     return cfg
+
+
+def host_seq_lens(common: CommonAttentionMetadata) -> Tensor:
+    """Each request's tokens after the step ``[num_reqs]`` int64, on the host, as vLLM's runner keeps them
+    (``seq_lens_cpu_upper_bound``: exact but under asynchronous speculative decoding, which the plugin refuses at
+    start), never a device-to-host copy of ``seq_lens`` (a sync per step on a GPU)."""
+    host = common.seq_lens_cpu_upper_bound
+    if host is None:
+        raise RuntimeError("qsinkkv's vLLM backend plans a step from CommonAttentionMetadata.seq_lens_cpu_upper_bound "
+                           "(vLLM's host copy of the lengths), which this vLLM did not set")
+    return host[:common.num_reqs].long()
 
 
 def sink_logits(sinks: Tensor | None) -> Tensor | None:

@@ -1,10 +1,11 @@
-"""Triton kernels of qsinkkv (the folder ``kernels/``, installed as ``qsinkkv.kernels``), the fast versions of three
+"""Triton kernels of qsinkkv (the folder ``kernels/``, installed as ``qsinkkv.kernels``), the fast versions of four
 ops; this module gathers their entry points (``qsinkkv.ops`` takes it as the Triton backend's quantizer).
 
   kernel                                  its PyTorch reference (same layout, same rounding)
   quantize.quantize_key_blocks/_values    qsinkkv.quant (codes, scales and zeros bit-identical)
   decode_attention.decode_attention       qsinkkv.decode.decode_attention_reference
   prefill_attention.prefill_attention     qsinkkv.prefill.prefill_attention_reference
+  write.complete_blocks / store_rows      qsinkkv.write.complete_blocks / store_rows (the same bits): WRITER_TRITON
 
 Kernels read a ``qsinkkv.storage.LayerStorage`` and never the cache. On a machine without a
 GPU they run under Triton's interpreter (``TRITON_INTERPRET=1``, set before the kernels are
@@ -20,6 +21,7 @@ outside its parent's folder, pypa/setuptools#4248); a wheel copies the folder to
 from .decode_attention import decode_attention, decode_attention_reference
 from .prefill_attention import prefill_attention, prefill_attention_reference
 from .quantize import quantize_key_blocks, quantize_values
+from .write import WRITER_TRITON
 
 __all__ = ["decode_attention", "decode_attention_reference", "prefill_attention", "prefill_attention_reference",
-           "quantize_key_blocks", "quantize_values"]
+           "quantize_key_blocks", "quantize_values", "WRITER_TRITON"]

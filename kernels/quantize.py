@@ -21,9 +21,9 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 
 
 @triton.jit
-def _to_scale_dtype(x, SCALE_DTYPE: tl.constexpr):
-    """Round float32 to the storage dtype, to nearest even. bf16 is rounded by hand: Triton's
-    interpreter truncates on fp32 -> bf16 casts, the GPU rounds; this is exact on both."""
+def _round_to(x, SCALE_DTYPE: tl.constexpr):
+    """Round float32 to a storage dtype (a scale's, a pool's), to nearest even, as torch's ``.to()`` does. bf16 is
+    rounded by hand: Triton's interpreter truncates on fp32 -> bf16 casts, the GPU rounds; this is exact on both."""
     if SCALE_DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -55,7 +55,61 @@ def _channel_stats(x, ok, QMAX: tl.constexpr, SCALE_DTYPE: tl.constexpr):
 def _scale_zero(lo, hi, QMAX: tl.constexpr, SCALE_DTYPE: tl.constexpr):
     """The stored scale ``(max - min) / qmax`` (correctly rounded division) and zero ``min`` of a
     group's ``lo = min`` and ``hi = max``, rounded to the storage dtype."""
-    return _to_scale_dtype(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE), _to_scale_dtype(lo, SCALE_DTYPE)
+    return _round_to(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE), _round_to(lo, SCALE_DTYPE)
+
+
+@triton.jit
+def _key_block(x_lo, x_hi, ok, c, C, scale_ptr, zero_ptr, QMAX: tl.constexpr, BITS: tl.constexpr,
+               SCALE_DTYPE: tl.constexpr):
+    """One block's keys, quantized per channel over its tokens: float32 tiles ``x_lo [T, C]`` (channels ``[0, C)``)
+    and ``x_hi`` (int4: channels ``[C, 2C)``), ``ok`` the real entries. Stores the block's scale and zero of channel
+    j at ``scale_ptr + j``, ``zero_ptr + j``; returns its codes ``[T, C]`` (int4: both halves packed)."""
+    scale, zero = _channel_stats(x_lo, ok, QMAX, SCALE_DTYPE)
+    tl.store(scale_ptr + c, scale, mask=c < C)
+    tl.store(zero_ptr + c, zero, mask=c < C)
+    codes = _codes(x_lo, scale[None, :], zero[None, :], QMAX)
+    if BITS == 4:
+        scale_hi, zero_hi = _channel_stats(x_hi, ok, QMAX, SCALE_DTYPE)
+        tl.store(scale_ptr + C + c, scale_hi, mask=c < C)
+        tl.store(zero_ptr + C + c, zero_hi, mask=c < C)
+        codes = codes | (_codes(x_hi, scale_hi[None, :], zero_hi[None, :], QMAX) << 4)
+    return codes
+
+
+@triton.jit
+def _value_rows(x_lo, x_hi, ok, t_ok, c, C, GROUP, NG, scale_rows, zero_rows, QMAX: tl.constexpr,
+                BITS: tl.constexpr, SCALE_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Tokens' values, quantized per token within groups of GROUP channels: float32 tiles ``x_lo``, ``x_hi`` as in
+    ``_key_block``, ``t_ok [T]`` the real tokens. Stores token t's scale and zero of group g at ``scale_rows[t] + g``,
+    ``zero_rows[t] + g``; returns the codes ``[T, C]``. The channels are one tile (int8) or two, the halves the
+    nibbles hold (int4); a group may span both halves, so each group's stats take the entries of either tile that
+    belong to it."""
+    grp_lo = (c // GROUP)[None, :]
+    grp_hi = ((c + C) // GROUP)[None, :]
+    s_lo = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    z_lo = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    s_hi = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    z_hi = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for g in range(0, NG):
+        in_lo = ok & (grp_lo == g)
+        in_hi = ok & (grp_hi == g) & (BITS == 4)
+        lo = tl.minimum(tl.min(tl.where(in_lo, x_lo, float("inf")), axis=1),
+                        tl.min(tl.where(in_hi, x_hi, float("inf")), axis=1))
+        hi = tl.maximum(tl.max(tl.where(in_lo, x_lo, float("-inf")), axis=1),
+                        tl.max(tl.where(in_hi, x_hi, float("-inf")), axis=1))
+        lo = tl.where(t_ok, lo, 0.0)  # rows with no entry: never inf - inf
+        hi = tl.where(t_ok, hi, 0.0)
+        scale, zero = _scale_zero(lo, hi, QMAX, SCALE_DTYPE)
+        tl.store(scale_rows + g, scale, mask=t_ok)
+        tl.store(zero_rows + g, zero, mask=t_ok)
+        s_lo = tl.where(grp_lo == g, scale.to(tl.float32)[:, None], s_lo)
+        z_lo = tl.where(grp_lo == g, zero.to(tl.float32)[:, None], z_lo)
+        s_hi = tl.where(grp_hi == g, scale.to(tl.float32)[:, None], s_hi)
+        z_hi = tl.where(grp_hi == g, zero.to(tl.float32)[:, None], z_hi)
+    codes = _codes(x_lo, s_lo, z_lo, QMAX)
+    if BITS == 4:
+        codes = codes | (_codes(x_hi, s_hi, z_hi, QMAX) << 4)
+    return codes
 
 
 @triton.jit
@@ -72,16 +126,8 @@ def _quantize_key_blocks_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, D,
     ok = (t[:, None] < BS) & (c[None, :] < C)
     rows = blk * BS * D + t[:, None] * D + c[None, :]
     x = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    scale, zero = _channel_stats(x, ok, QMAX, SCALE_DTYPE)
-    tl.store(scale_ptr + blk * D + c, scale, mask=c < C)
-    tl.store(zero_ptr + blk * D + c, zero, mask=c < C)
-    codes = _codes(x, scale[None, :], zero[None, :], QMAX)
-    if BITS == 4:
-        x_hi = tl.load(x_ptr + rows + C, mask=ok, other=0.0).to(tl.float32)
-        scale_hi, zero_hi = _channel_stats(x_hi, ok, QMAX, SCALE_DTYPE)
-        tl.store(scale_ptr + blk * D + C + c, scale_hi, mask=c < C)
-        tl.store(zero_ptr + blk * D + C + c, zero_hi, mask=c < C)
-        codes = codes | (_codes(x_hi, scale_hi[None, :], zero_hi[None, :], QMAX) << 4)
+    x_hi = tl.load(x_ptr + rows + C, mask=ok & (BITS == 4), other=0.0).to(tl.float32)
+    codes = _key_block(x, x_hi, ok, c, C, scale_ptr + blk * D, zero_ptr + blk * D, QMAX, BITS, SCALE_DTYPE)
     tl.store(codes_ptr + blk * BS * C + t[:, None] * C + c[None, :], codes, mask=ok)
 
 
@@ -89,9 +135,7 @@ def _quantize_key_blocks_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, D,
 def _quantize_values_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, D, GROUP,
                             BITS: tl.constexpr, SCALE_DTYPE: tl.constexpr,
                             BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    # one program per BLOCK_T tokens, stats per token within groups of GROUP channels. The channels
-    # are one tile (int8) or two, the halves the nibbles hold (int4); a group may span both halves,
-    # so each group's stats take the entries of either tile that belong to it
+    # one program per BLOCK_T tokens, stats per token within groups of GROUP channels
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, BLOCK_C)
     QMAX: tl.constexpr = (1 << BITS) - 1
@@ -101,31 +145,8 @@ def _quantize_values_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, N, D, GROUP,
     rows = t[:, None] * D + c[None, :]
     x_lo = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
     x_hi = tl.load(x_ptr + rows + C, mask=ok & (BITS == 4), other=0.0).to(tl.float32)
-    grp_lo = (c // GROUP)[None, :]
-    grp_hi = ((c + C) // GROUP)[None, :]
-    s_lo = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-    z_lo = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-    s_hi = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-    z_hi = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
-    for g in range(0, NG):
-        in_lo = ok & (grp_lo == g)
-        in_hi = ok & (grp_hi == g) & (BITS == 4)
-        lo = tl.minimum(tl.min(tl.where(in_lo, x_lo, float("inf")), axis=1),
-                        tl.min(tl.where(in_hi, x_hi, float("inf")), axis=1))
-        hi = tl.maximum(tl.max(tl.where(in_lo, x_lo, float("-inf")), axis=1),
-                        tl.max(tl.where(in_hi, x_hi, float("-inf")), axis=1))
-        lo = tl.where(t < N, lo, 0.0)  # rows past N: no entry, never inf - inf
-        hi = tl.where(t < N, hi, 0.0)
-        scale, zero = _scale_zero(lo, hi, QMAX, SCALE_DTYPE)
-        tl.store(scale_ptr + t * NG + g, scale, mask=t < N)
-        tl.store(zero_ptr + t * NG + g, zero, mask=t < N)
-        s_lo = tl.where(grp_lo == g, scale.to(tl.float32)[:, None], s_lo)
-        z_lo = tl.where(grp_lo == g, zero.to(tl.float32)[:, None], z_lo)
-        s_hi = tl.where(grp_hi == g, scale.to(tl.float32)[:, None], s_hi)
-        z_hi = tl.where(grp_hi == g, zero.to(tl.float32)[:, None], z_hi)
-    codes = _codes(x_lo, s_lo, z_lo, QMAX)
-    if BITS == 4:
-        codes = codes | (_codes(x_hi, s_hi, z_hi, QMAX) << 4)
+    codes = _value_rows(x_lo, x_hi, ok, t < N, c, C, GROUP, NG, scale_ptr + t * NG, zero_ptr + t * NG, QMAX, BITS,
+                        SCALE_DTYPE, BLOCK_T, BLOCK_C)
     tl.store(codes_ptr + t[:, None] * C + c[None, :], codes, mask=ok)
 
 

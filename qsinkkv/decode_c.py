@@ -601,19 +601,11 @@ def complete_blocks_c(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, s
     if code == -6:  # a table entry past its pool (nothing written): name it
         _check_tables(storage)
     if code == -3:
-        raise _overflow(storage, k, v, at, seqs, blocks, first_new)
+        raise write.overflow_error(storage, k, v, at, seqs, blocks, first_new)
     if code == -5:
         raise ValueError("quant_table names no page (-1) for a block this write completes: nothing was written")
     if code:
         raise RuntimeError(f"the C block completion failed (code {code})")
-
-
-def _overflow(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
-              first_new: Tensor) -> ValueError:
-    """The error of a block whose scale overflowed (``quant.scale_overflow``'s), naming the largest |x| of the blocks
-    the write completes (gathered as the reference gathers them: ``write.completing_blocks``)."""
-    parts = write.completing_blocks(storage, k, v, at, seqs, blocks, first_new)
-    return quant.scale_overflow(storage.layout.config.scale_dtype, max(float(x.float().abs().amax()) for x in parts))
 
 
 WRITER_C = write.Writer("c", complete_blocks_c, store_rows_c)
@@ -694,7 +686,7 @@ class EngineDecode:
         if code == -4:  # a value the checks refuse: checks.values names it
             self._refuse(q, k, v)
         if code == -3:
-            raise _overflow(replace(self.store, **layer.pools), k, v, *self.index[:4])
+            raise write.overflow_error(replace(self.store, **layer.pools), k, v, *self.index[:4])
         if code:
             raise RuntimeError(f"the C engine step failed (code {code})")
         _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)

@@ -9,9 +9,9 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
                                                                  qsinkkv.kernels.decode_attention (Triton)
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
-  write              write.plan + write.commit: WRITER_TORCH      decode_c.WRITER_C (CPU, C; the same bits)
-                     (complete_blocks, store_rows), with the
-                     chosen quantizer
+  write              write.plan + write.commit: WRITER_TORCH      decode_c.WRITER_C (CPU, C; the same bits);
+                     (complete_blocks, store_rows), with the     qsinkkv.kernels.write.WRITER_TRITON (Triton;
+                     chosen quantizer                             the same bits)
   engine decode step (the checks, the write and the decode of      decode_c.EngineDecode (CPU, C)
                      engine_pages.attend_packed)
 
@@ -84,11 +84,10 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
                    prefill_fresh_packed)
     if backend == "triton":
         from .kernels import api as kernels
-        # (the write: the plan's indexed copies in torch, its blocks quantized by the Triton kernels)
-        return Ops("triton", dict(write_blocks="torch", write_rows="torch", quantize="triton", decode="triton",
-                                  prefill="triton"), kernels,
-                   functools.partial(kernels.decode_attention, rotary=rotary, variant=decode_variant),
-                   functools.partial(kernels.prefill_attention, rotary=rotary))
+        # (the write's blocks quantized inside its kernel, as the C writer's: no separate quantize op)
+        return Ops("triton", dict(write_blocks="triton", write_rows="triton", decode="triton", prefill="triton"),
+                   kernels, functools.partial(kernels.decode_attention, rotary=rotary, variant=decode_variant),
+                   functools.partial(kernels.prefill_attention, rotary=rotary), kernels.WRITER_TRITON)
     # the CPU decode's products and SDPA's prefill need keys at their final rotation; under cache_index
     # each key turns by its index
     if rotary is None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import trace
+from . import quant, trace
 from .storage import QUANT_TENSORS, LayerStorage
 
 
@@ -208,10 +208,16 @@ def complete_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seq
     parts = completing_blocks(storage, k, v, at, seqs, blocks, first_new)
     quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
                  + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
+    put_blocks(storage, seqs, blocks, [x.squeeze(2) for x in quantized])
+
+
+def put_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, quantized: list[Tensor]) -> None:
+    """Write quantized blocks into their quantized-ring slots ``quant_table[seqs[i], blocks[i] % quant_slots]``:
+    ``quantized``, the six ``QUANT_TENSORS`` of the n blocks, each ``[n, Hkv, ...]`` (a pool's block)."""
     dev = storage.device
     where = (slice(None), storage.quant_table[seqs.to(dev), blocks.to(dev) % storage.layout.quant_slots])
     for name, src in zip(QUANT_TENSORS, quantized):                                 # pool[where]: [Hkv, n, ...]
-        getattr(storage, name)[where] = src.squeeze(2).transpose(0, 1)
+        getattr(storage, name)[where] = src.transpose(0, 1)
 
 
 def completing_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
@@ -236,6 +242,14 @@ def completing_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, s
             xb = x[place.to(x.device)].permute(2, 0, 1, 3).to(dev, cfg.window_dtype)  # [Hkv, n, bs, D]
         parts.append(xb.transpose(0, 1))                                            # [n, Hkv, bs, D]
     return parts
+
+
+def overflow_error(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
+                   first_new: Tensor) -> ValueError:
+    """The error of a write whose block's scale overflowed (``quant.scale_overflow``'s), naming the largest |x| of the
+    blocks it completes (``complete_blocks``' arguments; gathered as the reference gathers them): every writer's."""
+    parts = completing_blocks(storage, k, v, at, seqs, blocks, first_new)
+    return quant.scale_overflow(storage.layout.config.scale_dtype, max(float(x.float().abs().amax()) for x in parts))
 
 
 def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,

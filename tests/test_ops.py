@@ -128,7 +128,7 @@ def test_served_by_names_one_kernel_per_op():
                                          prefill="torch")
     assert select_ops("torch", cpu, D, Rotary.from_schedule(D)).served_by()["decode"] == "reference"
     assert select_ops("triton", cpu, D, None).served_by() == dict(
-        write_blocks="torch", write_rows="torch", quantize="triton", decode="triton", prefill="triton")
+        write_blocks="triton", write_rows="triton", decode="triton", prefill="triton")
     if decode_c.available()[0]:
         assert select_ops("c", cpu, D, None).served_by() == dict(write_blocks="c", write_rows="c", decode="c",
                                                                  prefill="torch", engine_step="c")

@@ -231,6 +231,8 @@ def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor
     n0 = seq_lens
     refused = lambda ok: _raise_refused(ok, config, lambda x: _refused_rows(config, n0, split, x, packed),  # noqa: E731
                                         {"k": k, "v": v})
+    if packed and k.device.type != "cpu":  # an engine's step on its GPU: no host read
+        return packed_tokens_fit_in_step(config, n0, split, k, v, q, sink_logits)
     if packed:
         return refused(packed_tokens_fit(config, n0, split.lens, k, v, q, sink_logits))
     if split is None:
@@ -356,6 +358,31 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
     if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
         named["sink_logits"] = torch.amax(sink_logits) < math.inf
     return dict(zip(named, torch.stack(list(named.values())).tolist()))
+
+
+def packed_tokens_fit_in_step(config: CacheConfig, seq_lens: Tensor, split: Split, k: Tensor, v: Tensor,
+                              q: Tensor | None, sink_logits: Tensor | None) -> None:
+    """``packed_tokens_fit``'s checks of a packed step on a device, with no host read: each token's max |x| against
+    the bound of the dtype it is stored in, q finite, sink logits free of NaN and +inf, one reduction per tensor and
+    one ``torch._assert_async`` (``condition_in_step``: on a GPU a device-side assert before the step's first write;
+    on the CPU ``values``' own named error)."""
+    S = config.sink_tokens
+    to_sinks = (token_positions(seq_lens, torch.tensor(split.lens)) < S).to(k.device, non_blocking=True)
+    fits = []
+    for x in (k, v):
+        bound = torch.where(to_sinks, overflow_bound(config.sink_dtype, x.dtype), window_bound(config, x.dtype))
+        fits.append((peak(x.flatten(1), dim=1).double() < bound).all())
+    if q is not None:
+        fits.append(peak(q) < math.inf)
+    if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
+        fits.append(~(torch.isnan(sink_logits) | (sink_logits == math.inf)).any())
+
+    def error() -> Exception:
+        cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
+        values(config, seq_lens, split, cpu(k), cpu(v), cpu(q), cpu(sink_logits), packed=True)  # raises, by name
+        return RuntimeError("the value checks on the device refused what the host's accept: the two disagree")
+
+    condition_in_step(torch.stack(fits).all(), error)
 
 
 def peak(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:

@@ -255,9 +255,11 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
             raise ValueError(f"sink_logits must be a float tensor of shape [H={q.shape[1]}], got {sink_logits.dtype} "
                              f"{tuple(sink_logits.shape)}")
         checks.values(read.layout.config, read.seq_lens, split, k, v, q, sink_logits, packed=True)
-    starting = (read.seq_lens == 0).nonzero().flatten()
-    if starting.numel():  # a new sequence's sink and float pages may hold a former owner's bytes
-        read.clear(starting)
+    starting = (read.seq_lens == 0).nonzero().flatten()  # (host)
+    if starting.numel():  # a new sequence's sink and float pages may hold a former owner's bytes: zeroed (every
+        # entry of an engine's table is a page, the null page -- zeros -- among them: no mask, no host read)
+        rows = starting.to(read.device, non_blocking=True)
+        read.zero_blocks({"sink": read.sink_table[rows], "float": read.float_table[rows].flatten()})
     # an engine never rolls a step back: nothing is copied aside for an undo
     one_out, multi_out = attend_split(ops, split, read, store, scale=scale, sink_logits=sink_logits)
     return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)

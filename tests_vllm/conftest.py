@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
+# qsinkkv's Triton kernels (the plugin's CUDA path, tests_vllm/test_vllm_layer.py) run in Triton's interpreter here;
+# set before any of them is imported. The engines run_engine starts are CPU engines: they do not get it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def run_engine(spec: dict, timeout: int = 420) -> dict:
-    env = dict(os.environ)
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.setdefault("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     p = subprocess.run([sys.executable, str(HERE / "engine.py"), json.dumps(spec)], capture_output=True, text=True,

@@ -9,10 +9,15 @@ the values inside and gives ``GpuTensor`` results; a host tensor moved to the de
 
 * ``aten._local_scalar_dense`` of a device tensor (``.item()``, ``int()``, ``bool()``, a Python ``if`` on it);
 * a device-to-host copy (``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``.numpy()``);
+* an op whose output's shape depends on a device tensor's values (``nonzero``, ``unique``, ``masked_select``,
+  indexing with a bool mask, ``repeat_interleave`` by counts): the host must learn the size, a sync;
 * an op mixing a host tensor of one or more dimensions with a device tensor (CUDA refuses it; a 0-dim host tensor
   is a scalar and allowed).
 
 ``torch._assert_async`` of a device tensor is allowed (a device-side assert: no sync); here it runs on the values.
+A Triton kernel launched on device tensors is device work too: under the rules its tensor arguments are handed to
+Triton's interpreter as the CPU tensors inside (the interpreter's own copies in and out are its business, not the
+step's).
 """
 from __future__ import annotations
 
@@ -25,6 +30,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 DEVICE = torch.device("meta")
 CPU = torch.device("cpu")
 aten = torch.ops.aten
+
+
+# ops whose output's size the host learns from the values (on CUDA: a sync)
+_SIZED_BY_VALUES = {aten.nonzero.default, aten._unique2.default, aten.unique_dim.default,
+                    aten.unique_consecutive.default, aten.masked_select.default, aten.repeat_interleave.Tensor}
 
 
 class HostSync(AssertionError):
@@ -48,6 +58,8 @@ class GpuTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__):
             raise HostSync(f"{func.__name__}() of a device tensor: a device-to-host copy")
+        if func is torch.Tensor.data_ptr:  # (an address, not a read: the values' own)
+            return args[0].inner.data_ptr()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
@@ -65,6 +77,24 @@ def _is_host_tensor(x) -> bool:
 
 
 class GpuRules(TorchDispatchMode):
+    def __enter__(self):
+        from triton.runtime import interpreter
+        self._grid_call = interpreter.GridExecutor.__call__
+        grid_call = self._grid_call
+
+        def launch(executor, *args, **kwargs):  # a kernel launch: the values inside, outside the rules
+            args, kwargs = tree_map(lambda x: x.inner if isinstance(x, GpuTensor) else x, (args, kwargs))
+            with torch.utils._python_dispatch._disable_current_modes():
+                return grid_call(executor, *args, **kwargs)
+
+        interpreter.GridExecutor.__call__ = launch
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from triton.runtime import interpreter
+        interpreter.GridExecutor.__call__ = self._grid_call
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         flat, _ = tree_flatten((args, kwargs))
@@ -72,6 +102,10 @@ class GpuRules(TorchDispatchMode):
         to_device = kwargs.get("device") is not None and torch.device(kwargs["device"]) == DEVICE
         if func is aten._local_scalar_dense.default and on_device:
             raise HostSync("a device tensor read on the host (.item(), int(), bool(), float(), or `if` on it)")
+        bool_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+            isinstance(x, torch.Tensor) and x.dtype == torch.bool for x in tree_flatten(args[1])[0])
+        if on_device and (func in _SIZED_BY_VALUES or bool_index):
+            raise HostSync(f"{func}: its output's size depends on a device tensor's values (the host learns it)")
         if func in (aten._to_copy.default, aten.copy_.default) and on_device:
             target = kwargs.get("device")
             into_host = func is aten.copy_.default and _is_host_tensor(args[0])

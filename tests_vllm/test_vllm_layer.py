@@ -267,3 +267,46 @@ def test_a_bits16_forward_reads_no_device_tensor_on_the_host(monkeypatch, learne
             layer.impl.forward(None, on_gpu(q), on_gpu(k), on_gpu(v), on_gpu(layer.kv_cache), built, out)
         assert torch.equal(values(out), expect)
     assert torch.equal(layer.kv_cache, host_pages)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("learned_sinks", [False, True])
+def test_a_quantized_layer_on_cuda_runs_the_triton_kernels_with_no_host_read(monkeypatch, bits, learned_sinks):
+    """bits 8/4 on a GPU: the impl takes qsinkkv's Triton ops (write, prefill, decode over vLLM's pages; here in
+    Triton's interpreter), never the torch ops. Every step equals ``PagedCache`` fed the same K/V (to the kernels'
+    float32 rounding), and the same forward with q, k, v, the pages, the output and the sinks standing for CUDA
+    tensors runs under ``GpuRules`` -- the build and the forward read nothing back to the host -- with the same
+    bits as on host tensors."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=bits, block_size=8, value_group_size=16,
+                      sink_dtype=torch.float32, window_dtype=torch.float32, scale_dtype=torch.float32)
+    sinks = _sinks(torch.Generator().manual_seed(bits)) if learned_sinks else None
+    on_host = Layer(cfg, monkeypatch, sinks, device="cuda")
+    on_device = Layer(cfg, monkeypatch, sinks, device="cuda")
+    assert on_host.impl.ops.backend == "triton"
+    ref = PagedCache(cfg, 1, Hkv, D, max_seqs=4, float_blocks=16, quant_blocks=32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    ran = set()
+    for rows, lens in _schedule()[:24]:  # (the interpreter is slow: prompts, decodes past the capacity)
+        while len(ref.seq_ids) <= max(rows):
+            ref.admit()
+        N = sum(lens)
+        q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), \
+            torch.randn(N, Hkv, D, generator=g)
+        with trace.recording() as step_ran:
+            got = on_host.step(rows, lens, q, k, v)
+        ran |= set(step_ran)
+        order = sorted(range(len(rows)), key=lambda i: rows[i])
+        idx = torch.cat([torch.arange(sum(lens[:i]), sum(lens[:i + 1])) for i in order])
+        ref_lens = [lens[rows.index(r)] if r in rows else 0 for r in range(len(ref.seq_ids))]
+        expect = ref.attend_packed(0, q[idx], k[idx], v[idx], torch.tensor([0, *torch.tensor(ref_lens).cumsum(0)]),
+                                   sink_logits=sinks)
+        torch.testing.assert_close(got[idx], expect, rtol=1e-4, atol=1e-4)
+        md = on_device.metadata(rows, lens)
+        out = on_gpu(torch.full((N, H * D), float("nan")))
+        on_device.impl.sinks = None if sinks is None else on_gpu(sinks)
+        with GpuRules():
+            built = on_device.builder.build(0, _on_gpu(md))
+            on_device.impl.forward(None, on_gpu(q), on_gpu(k), on_gpu(v), on_gpu(on_device.kv_cache), built, out)
+        assert torch.equal(values(out).view(-1, H, D), got)
+    assert {kernel for _, kernel in ran} == {"triton"}, ran
+    assert {op for op, _ in ran} == {"write_rows", "write_blocks", "prefill", "decode"}, ran

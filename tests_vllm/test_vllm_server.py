@@ -94,7 +94,8 @@ def serving(args: list[str], config: dict, name: str):
     (the model, host, port and config added), up within 300 s: yields ``{port, model, proc, log}``; killed after."""
     model = default_model()
     port = _free_port()
-    env = dict(os.environ, VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache"),
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # (a CPU engine)
+    env.update(VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT", "/tmp/qsinkkv-vllm-cache"),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"qsinkkv-vllm-{name}-{port}.log", "w")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",

@@ -16,8 +16,10 @@ runs, so one layer's output equals ``PagedCache`` fed the same K/V), or for a de
 checks, write and decode in two C calls, the same bits. A layer with learned sinks (gpt-oss's ``sinks``) passes
 them as the ops' ``sink_logits``: ``exp(s_h)`` joins head h's softmax denominator, as in ``PagedCache``.
 The ops: on the CPU ``select_ops("auto")``, the C decode where it compiles (it steps through the pools by
-their strides, so it reads vLLM's block-major pages in place), else torch; on CUDA torch (qsinkkv's Triton
-kernels index contiguous head-major pools, not pages: not wired, and untested with vLLM on a GPU).
+their strides, so it reads vLLM's block-major pages in place), else torch; on CUDA ``select_ops("triton")``: the
+Triton write, prefill and decode over the pages (each pool through its strides), with the step's checks on the
+device (no host read in the forward); refused at start where Triton cannot serve (no triton, head_dim % 4).
+Untested with vLLM on a GPU: tested layer by layer under Triton's interpreter (``tests_vllm/test_vllm_layer.py``).
 """
 from __future__ import annotations
 
@@ -84,7 +86,9 @@ class QuantImpl(AttentionImpl):
         self.layout = WindowLayout(cfg)
         self.pages = PageLayout.of(cfg, num_kv_heads, head_size)
         device = torch.device(vllm_config.device_config.device)
-        backend = "auto" if device.type == "cpu" else "torch"
+        # the CPU: the C kernels where they compile (else torch); CUDA: qsinkkv's Triton kernels over the pages, or a
+        # refusal naming what is missing (select_ops: the triton package, head_dim % 4), never the torch ops
+        backend = "auto" if device.type == "cpu" else "triton"
         self.ops = select_ops(backend, device, head_size, None, dtype=vllm_config.model_config.dtype)
         self._layer = None  # (kv_cache data_ptr, the LayerPools over it)
 

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check, one script for a short GPU session (about 9 minutes of per-step timeouts in all):
+# The GPU check, one script for a short GPU session (6 minutes of per-step timeouts in all):
 #   1. env.txt: date, GPU, torch/triton/transformers versions
-#   2. tests.log: the Triton kernels (quantize, decode, prefill) natively on CUDA against their
-#      PyTorch references and the float64 oracle (tests/test_kernels.py, tests/test_attention.py) <= 185 s
+#   2. tests.log: the Triton kernels (quantize, write, decode, prefill) natively on CUDA against their
+#      PyTorch references and the float64 oracle, over own pools and an engine's pages
+#      (tests/test_kernels.py, test_kernels_pages.py, test_kernels_write.py)                     <= 100 s
 #   3. decode_attention.md/.json: decode attention, ours (int16/8/4) vs SDPA and SDPA-GQA over a
-#      bf16 cache, llama and smollm2 shapes, L 1k..128k, B 1..64 (--max-gb caps)         <= 155 s
+#      bf16 cache, llama shape, L 8k..128k, B 1..64                                              <= 50 s
 #   4. decode_attention_folded.md/.json and decode_attention_fp16.md/.json: the same with
-#      --decode-variant folded and --decode-variant fp16, llama, fewer rows              <= 40 s each
+#      --decode-variant folded and --decode-variant fp16, fewer rows                            <= 25 s each
 #   5. prefill.md/.json: prefill of T 4k..32k tokens into an empty cache (the Triton prefill kernel)
 #      vs causal SDPA and vs the torch backend (the reference prefill), llama shape (H 32, Hkv 8,
-#      D 128), bf16, with peak extra memory                                                <= 55 s
+#      D 128), bf16, with peak extra memory                                                     <= 40 s
 #   6. e2e_decode.md/.json: a decode step of a Llama-3-8B-shaped model (random weights), B 64,
-#      context 8k: QSinkKVCache int4 vs StaticCache/DynamicCache bf16, KV bytes per budget <= 80 s
+#      context 8k: QSinkKVCache int4 vs StaticCache/DynamicCache bf16, KV bytes per budget      <= 45 s
+#   7. decode_pages.md/.json: the vLLM plugin's engine path: the Triton decode over an engine's
+#      int8/int4 pages (block 16), llama shape, B 8..64, L 4k..32k, vs SDPA's flash kernel over a bf16
+#      cache and qsinkkv's bits=16 decode, with copy-bandwidth fractions; and one decode step of an
+#      8B-shaped stack at equal KV memory: bf16 at batch 16 vs int4 pages at 48 rows             <= 75 s
 # Every step runs even if one before it failed; steps.txt has each one's exit status and seconds;
 # the script exits non-zero if any step failed.
 #
@@ -64,13 +69,17 @@ if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then  # the same steps on the CPU at tiny siz
   DECODE_FEW=(--shapes smollm2 --context 128 --batch 1)
   PREFILL=(--shape smollm2 --dtype float32 --context 64 --capacity 32 --reps 1)
   E2E=(--tiny --backend triton)
+  PAGES=(--tiny)
+  KERNEL_TESTS=("$REPO/tests/test_kernels.py")
 else
   TESTS=()
   DEV=(--device cuda)
-  DECODE=()
-  DECODE_FEW=(--shapes llama --context 8192 131072 --batch 1 8 64)
+  DECODE=(--shapes llama --context 8192 32768 131072 --batch 1 8 64)
+  DECODE_FEW=(--shapes llama --context 8192 131072 --batch 1 64)
   PREFILL=(--shape llama --dtype bfloat16 --context 4096 8192 16384 32768 --reps 5)
   E2E=(--batch 64 --context 8192)
+  PAGES=()
+  KERNEL_TESTS=("$REPO/tests/test_kernels.py" "$REPO/tests/test_kernels_pages.py" "$REPO/tests/test_kernels_write.py")
 fi
 { date -u +%F; { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
     --format=csv,noheader; } || echo "no nvidia-smi"
@@ -90,16 +99,16 @@ step() {  # step OUTFILE TIMEOUT_S COMMAND...: stdout+stderr to OUTFILE; status 
   [ "$rc" = 0 ] || failed=1
 }
 B="$REPO/benchmarks"
-step tests.log 185 python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_kernels.py" "$REPO/tests/test_attention.py" \
-  ${TESTS[@]+"${TESTS[@]}"}
-step decode_attention.md 155 python3 "$B/decode_attention.py" "${DEV[@]}" ${DECODE[@]+"${DECODE[@]}"} \
+step tests.log 100 python3 -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" ${TESTS[@]+"${TESTS[@]}"}
+step decode_attention.md 50 python3 "$B/decode_attention.py" "${DEV[@]}" "${DECODE[@]}" \
   --json "$DEST/decode_attention.json"
 # the values-folded kernel and the fp16 tensor-core kernel (not the default until this check has passed)
 for variant in folded fp16; do
-  step "decode_attention_$variant.md" 40 python3 "$B/decode_attention.py" "${DEV[@]}" "${DECODE_FEW[@]}" \
+  step "decode_attention_$variant.md" 25 python3 "$B/decode_attention.py" "${DEV[@]}" "${DECODE_FEW[@]}" \
     --decode-variant "$variant" --json "$DEST/decode_attention_$variant.json"
 done
-step prefill.md 55 python3 "$B/prefill.py" "${DEV[@]}" "${PREFILL[@]}" --json "$DEST/prefill.json"
-step e2e_decode.md 80 python3 "$B/e2e_decode.py" "${DEV[@]}" "${E2E[@]}" --json "$DEST/e2e_decode.json"
+step prefill.md 40 python3 "$B/prefill.py" "${DEV[@]}" "${PREFILL[@]}" --json "$DEST/prefill.json"
+step e2e_decode.md 45 python3 "$B/e2e_decode.py" "${DEV[@]}" "${E2E[@]}" --json "$DEST/e2e_decode.json"
+step decode_pages.md 75 python3 "$B/decode_pages.py" "${DEV[@]}" ${PAGES[@]+"${PAGES[@]}"} --json "$DEST/decode_pages.json"
 cat "$DEST/steps.txt"
 exit $failed

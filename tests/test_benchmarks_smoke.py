@@ -86,7 +86,7 @@ def test_benchmark_runs_tiny(case, tmp_path):
 def test_gpu_check_tiny(tmp_path):
     """benchmarks/gpu_check.sh itself, every step at tiny sizes on the CPU (``GPU_CHECK_TINY=1``): each step
     exits 0 and each benchmark writes its rows, the GPU code paths of decode_attention.py (every decode
-    variant), prefill.py and e2e_decode.py included."""
+    variant), prefill.py, e2e_decode.py and decode_pages.py (the plugin's engine path) included."""
     pytest.importorskip("transformers")
     proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path)], capture_output=True, text=True,
                           timeout=240, env=env(GPU_CHECK_TINY="1"), check=False)
@@ -95,7 +95,7 @@ def test_gpu_check_tiny(tmp_path):
     logs = "\n".join(f"--- {name}\n{(tmp_path / name).read_text()[-3000:]}" for name in failed)
     assert proc.returncode == 0 and not failed, steps + logs + proc.stdout[-3000:] + proc.stderr[-3000:]
     names = ["tests.log", "decode_attention.md", "decode_attention_folded.md", "decode_attention_fp16.md",
-             "prefill.md", "e2e_decode.md"]
+             "prefill.md", "e2e_decode.md", "decode_pages.md"]
     assert [line.split()[0] for line in steps.splitlines()] == names
     assert "2 passed" in (tmp_path / "tests.log").read_text()
     for name in ("decode_attention", "decode_attention_folded", "decode_attention_fp16"):
@@ -107,3 +107,6 @@ def test_gpu_check_tiny(tmp_path):
     assert len(json.loads((tmp_path / "prefill.json").read_text())["rows"]) == 1
     e2e = json.loads((tmp_path / "e2e_decode.json").read_text())["rows"]
     assert [r["cache"] for r in e2e] == ["static", "dynamic", "qsinkkv"] and not any("error" in r for r in e2e)
+    pages = json.loads((tmp_path / "decode_pages.json").read_text())  # the engine path: int8/int4 pages, the stack
+    assert [r["bits"] for r in pages["pages"]] == [8, 4] and all(r["ms"] > 0 for r in pages["pages"])
+    assert [r["cache"] for r in pages["e2e"]] == ["bf16", "int4 pages"] and pages["e2e"][1]["rows"] == 3

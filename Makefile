@@ -76,7 +76,8 @@ serve: install
 
 # On a CUDA machine with torch + triton (no install step: it uses that machine's own stack; a machine with
 # transformers < 5.24 and no network: TRANSFORMERS_WHEEL=benchmarks/wheels/transformers-5.24.0-py3-none-any.whl,
-# see the script's header). Kernel tests, decode/prefill tables, e2e decode step: about 9 minutes at most
+# see the script's header). Kernel tests, decode/prefill tables, e2e decode step, the engine path over pages:
+# 6 minutes at most
 gpu-check:
 	bash benchmarks/gpu_check.sh out/gpu
 

@@ -110,3 +110,28 @@ def decode_attention_reference(q: Tensor, layer: LayerStorage, *, scale: float |
     out = sink_window_attention(q.unsqueeze(2), k, v, q_pos, k_pos, sink_tokens=cfg.sink_tokens,
                                 recent_tokens=cfg.recent_tokens, scale=scale, rotary=rotary, sink_logits=sink_logits)
     return out.squeeze(2)
+
+
+# --- over an engine's own float blocks, named by a table (vLLM's position-aligned pages, bits=16) ----------------
+
+def decode_blocks_torch(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, bias: Tensor, *,
+                        scale: float, sink_logits: Tensor | None = None) -> Tensor:
+    """Decode over float blocks named by a table, what each query sees given by a bias: ``q [B, H, D]``;
+    ``k_pool, v_pool [Hkv, blocks, bs, D]`` (any strides); ``block_table [B, nb]`` int64, the blocks row b reads in
+    order (an entry past the visible set may name any block of the pool: its bias is -inf); ``bias [B, nb * bs]``
+    float32, 0 where the query sees the slot, -inf where not; ``sink_logits [H]``: learned sinks, or None ->
+    ``[B, H, D]`` float32. The reference of ``decode_c.decode_blocks_c`` and ``qsinkkv.kernels.decode_blocks``: one
+    batched gather and three large ops, the G query heads of a KV head as G rows."""
+    trace.ran("decode", "torch")
+    B, H, D = q.shape
+    Hkv = k_pool.shape[0]
+    G = H // Hkv
+    read = lambda pool: pool[:, block_table].permute(1, 0, 2, 3, 4).reshape(B, Hkv, -1, D).float()  # noqa: E731
+    qh = q.float().view(B, Hkv, G, D) * scale
+    scores = torch.matmul(qh, read(k_pool).mT).add_(bias.view(B, 1, 1, -1))             # [B, Hkv, G, nb * bs]
+    if sink_logits is None:
+        p = torch.softmax(scores, dim=-1)
+    else:  # one more logit per head, whose value is zero: its mass leaves the output
+        sinks = sink_logits.float().view(1, Hkv, G, 1).expand(B, Hkv, G, 1)
+        p = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p, read(v_pool)).view(B, H, D)

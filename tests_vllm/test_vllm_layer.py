@@ -153,17 +153,22 @@ def test_a_quantized_layer_equals_paged_cache(monkeypatch, bits, learned_sinks):
     assert ("engine_step", "c") in ran and ("prefill", "torch") in ran
 
 
-@pytest.mark.parametrize("decode", ["c", "torch"])
+@pytest.mark.parametrize("decode", ["c", "torch", "triton"])
 @pytest.mark.parametrize("learned_sinks", [False, True])
 def test_a_bits16_layer_equals_paged_cache(monkeypatch, decode, learned_sinks):
-    """bits=16 (vLLM's own pages; the C decode, or the torch one, and SDPA's prefill): every step's output equals
-    ``PagedCache`` fed the same K/V (and learned sink logits), to float32 rounding."""
+    """bits=16 (vLLM's own pages; the C decode on the CPU, the Triton one on CUDA -- interpreted here --, the torch
+    reference on a CPU without a C compiler; SDPA's prefill): every step's output equals ``PagedCache`` fed the same
+    K/V (and learned sink logits), to float32 rounding; the decode and row writer of the one family ran."""
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=16, block_size=16, sink_dtype=torch.float32,
                       window_dtype=torch.float32)
     sinks = _sinks(torch.Generator().manual_seed(16)) if learned_sinks else None
-    layer = Layer(cfg, monkeypatch, sinks, backend=decode)
+    if decode == "triton":
+        layer = Layer(cfg, monkeypatch, sinks, device="cuda")
+    else:
+        layer = Layer(cfg, monkeypatch, sinks, backend=decode)
+    assert layer.impl.kernels == decode
     ran = _drive(layer, sinks, exact=False)
-    assert ("decode", decode) in ran and ("decode", {"c": "torch", "torch": "c"}[decode]) not in ran
+    assert {kernel for op, kernel in ran if op in ("decode", "write_rows")} == {decode}, ran
 
 
 @pytest.mark.parametrize("bits", [16, 4])
@@ -240,14 +245,15 @@ def test_a_step_is_planned_without_reading_a_device_tensor_on_the_host(monkeypat
 
 @pytest.mark.parametrize("learned_sinks", [False, True])
 def test_a_bits16_forward_reads_no_device_tensor_on_the_host(monkeypatch, learned_sinks):
-    """bits=16 on a GPU (the torch decode and SDPA's prefill over vLLM's pages): the forward of every step, its q, k,
+    """bits=16 on a GPU (the Triton decode and row writer, SDPA's prefill, over vLLM's pages): the forward of every
+    step, its q, k,
     v, pages, output and learned sinks standing for CUDA tensors, runs under ``GpuRules`` (no host read, no host
     tensor in a device op) and gives what the same forward gives on host tensors."""
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=16, block_size=16, sink_dtype=torch.float32,
                       window_dtype=torch.float32)
     sinks = _sinks(torch.Generator().manual_seed(5)) if learned_sinks else None
     layer = Layer(cfg, monkeypatch, sinks, device="cuda")
-    assert not layer.impl.c_decode
+    assert layer.impl.kernels == "triton"  # (Triton's interpreter here)
     if learned_sinks:
         layer.impl.sinks = on_gpu(sinks)
     host_pages = layer.kv_cache.clone()

@@ -8,11 +8,12 @@ computes (once, for all layers, on the host) the blocks each request's queries c
 sink blocks and its window's blocks -- and the visible-set mask of ``qsinkkv.layout.visible_mask``.
 Per layer, the forward writes the new K/V at vLLM's slot mapping and attends:
 
-* every request with one new token (the decodes) in one call: on the CPU qsinkkv's C decode reads
-  the pages in place (``decode_c.BlocksDecode``, prepared once per step for every layer: each row's sink and
-  window blocks from ``dec_blocks``, the visible set as ``dec_bias``); elsewhere one batched gather + three large ops
-  (scores, softmax, values), the G query heads of a KV head as G rows (as
-  ``qsinkkv.decode.decode_attention_torch``): no loop over requests either way;
+* every request with one new token (the decodes) in one call, over each row's sink and window blocks
+  (``dec_blocks``) with the visible set as ``dec_bias``: on the CPU qsinkkv's C decode reads the pages in place
+  (``decode_c.BlocksDecode``, prepared once per step for every layer), on CUDA the Triton one
+  (``qsinkkv.kernels.decode_blocks``); their reference, ``qsinkkv.decode.decode_blocks_torch`` (one batched gather
+  + three large ops), serves a CPU without a C compiler. No loop over requests; the kernels are chosen once
+  (``bits16_kernels``: never the torch ops on a GPU); the new K/V go in by the same family's row writer;
 * each request with a longer chunk (a prefill, chunked or not) with SDPA under the sink + window
   mask over its sink blocks and the blocks its chunk's windows span (a loop over the prefill rows
   of the step only).
@@ -40,6 +41,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
 
 from ... import checks, decode_c, trace, write
+from ...decode import decode_blocks_torch
 from ...engine_pages import PageLayout
 from ...layout import visible_mask
 from ...ops import resolve_backend
@@ -111,7 +113,7 @@ class QSinkKVMetadata:
     # the rows with one new token, batched
     dec_tokens: Tensor           # [Bd] their packed token index
     dec_blocks: Tensor           # [Bd, nb] the physical blocks their query reads (sinks, then window)
-    dec_bias: Tensor             # [Bd, 1, 1, nb * bs] float32: 0 visible, -inf not
+    dec_bias: Tensor             # [Bd, nb * bs] float32: 0 visible, -inf not
     dec_c: decode_c.BlocksDecode | None  # the C decode of these rows, prepared once for every layer (None: no rows)
     all_decode: bool             # every token is a decode row's, in row order (the step's q and output as they lie)
     # the rows with longer chunks: (first token, end token, blocks [nb], mask [T, nb * bs])
@@ -128,9 +130,8 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
         self.sink_blocks = -(-self.S // self.bs)              # blocks the sinks span
         self.window_blocks = -(-self.W // self.bs) + 1        # blocks a window of W tokens can span
         self.offsets = torch.arange(self.bs)
-        # the decode the impls take (ops.resolve_backend, chosen alike in each): the C one prepares once per step here
-        self.c_decode = resolve_backend("auto", torch.device(vllm_config.device_config.device),
-                                        kv_cache_spec.head_size, None, vllm_config.model_config.dtype) == "c"
+        # the kernels the impls take (chosen alike in each): the C decode prepares once per step here
+        self.c_decode = bits16_kernels(vllm_config, kv_cache_spec.head_size) == "c"
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> QSinkKVMetadata:
@@ -163,7 +164,7 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
         pos = (logical.unsqueeze(2) * bs + self.offsets).flatten(1)                # [Bd, nb * bs]
         pos = torch.where(valid.repeat_interleave(bs, dim=1) & (pos < dec_lens.unsqueeze(1)), pos, -1)
         seen = visible_mask((dec_lens - 1).unsqueeze(1), pos, S, W)               # [Bd, 1, nb * bs]
-        dec_bias = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf")).unsqueeze(1)
+        dec_bias = torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf")).flatten(1)
 
         prefills = []
         for b in (qlen > 1).nonzero().squeeze(1).tolist():
@@ -176,7 +177,7 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
             prefills.append((int(qsl[b]), int(qsl[b + 1]), table[b][logical.to(on)].long(), mask.to(on)))
         dec_c = None
         if self.c_decode and dec.shape[0]:  # (the C decode reads host tables: the CPU's)
-            dec_c = decode_c.BlocksDecode(dec_blocks, dec_bias.view(dec.shape[0], -1))
+            dec_c = decode_c.BlocksDecode(dec_blocks, dec_bias)
         write_at = torch.arange(N)
         return QSinkKVMetadata(common.num_actual_tokens, write_at, common.slot_mapping[:N].long(),
                                torch.zeros(N, dtype=torch.long, device=on), is_sink, qsl[:-1][dec].to(on),
@@ -196,11 +197,17 @@ class QSinkKVImpl(AttentionImpl):
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
         self.group = num_heads // num_kv_heads
         self.sink_dtype, self.window_dtype = cfg.sink_dtype, cfg.window_dtype
-        # the decode: qsinkkv's C decode over the pages on the CPU (where it compiles), else torch (chosen once)
+        # the decode and the row writer (chosen once, as the builder chose: bits16_kernels)
         vllm_config = state.current_vllm_config()
-        device = torch.device(vllm_config.device_config.device)
-        self.c_decode = resolve_backend("auto", device, head_size, None, vllm_config.model_config.dtype) == "c"
-        self.store_rows = decode_c.store_rows_c if self.c_decode else write.store_rows  # the same bits
+        self.kernels = bits16_kernels(vllm_config, head_size)
+        self.c_decode = self.kernels == "c"
+        if self.kernels == "triton":
+            from ...kernels import decode_blocks
+            from ...kernels import write as triton_write
+            self.store_rows, self.decode_blocks = triton_write.store_rows, decode_blocks.decode_blocks
+        else:  # (the C and torch writers: the same bits)
+            self.store_rows = decode_c.store_rows_c if self.c_decode else write.store_rows
+            self.decode_blocks = decode_blocks_torch
         self.every_block = None
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
@@ -249,23 +256,13 @@ class QSinkKVImpl(AttentionImpl):
 
     def _decode(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, md: QSinkKVMetadata,
                 logits: Tensor | None, out: Tensor | None = None) -> Tensor:
-        """The decode rows' attention ``[Bd, H, D]`` (C: in q's dtype; torch: float32), or written into ``out`` (the
-        engine's output rows, rounded as ``.to()`` rounds) and returned. ``logits [H]``: learned sinks, or None."""
-        Bd, nb = md.dec_blocks.shape
+        """The decode rows' attention ``[Bd, H, D]`` (C: in q's dtype; Triton, torch: float32), or written into ``out``
+        (the engine's output rows, rounded as ``.to()`` rounds) and returned. ``logits [H]``: learned sinks, or None."""
+        k_pool, v_pool = key_cache.transpose(0, 1), value_cache.transpose(0, 1)        # [Hkv, blocks, bs, D]
         if self.c_decode:  # (q in one of supported_dtypes: the C decode reads each)
-            return md.dec_c.run(q, key_cache.transpose(0, 1), value_cache.transpose(0, 1), scale=self.scale, out=out,
-                                sink_logits=logits)
-        trace.ran("decode", "torch")
-        Hkv, G, D = self.num_kv_heads, self.group, self.head_size
-        read = lambda cache: cache[md.dec_blocks].transpose(1, 2).reshape(Bd, Hkv, -1, D).float()  # noqa: E731
-        qh = q.float().view(Bd, Hkv, G, D) * self.scale
-        scores = torch.matmul(qh, read(key_cache).mT).add_(md.dec_bias)                       # [Bd, Hkv, G, N]
-        if logits is None:
-            p = torch.softmax(scores, dim=-1)
-        else:  # one more logit per head, whose value is zero: its mass leaves the output
-            sinks = logits.view(1, Hkv, G, 1).expand(Bd, Hkv, G, 1)
-            p = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
-        result = torch.matmul(p, read(value_cache)).view(Bd, Hkv * G, D)
+            return md.dec_c.run(q, k_pool, v_pool, scale=self.scale, out=out, sink_logits=logits)
+        result = self.decode_blocks(q.view(q.shape[0], self.num_heads, self.head_size), k_pool, v_pool,
+                                    md.dec_blocks, md.dec_bias, scale=self.scale, sink_logits=logits)
         return result if out is None else out.copy_(result)
 
     def _prefill(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, mask: Tensor,
@@ -282,3 +279,15 @@ class QSinkKVImpl(AttentionImpl):
         out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.group > 1)
         return out.transpose(0, 1)
+
+
+def bits16_kernels(vllm_config, head_size: int) -> str:
+    """The kernels of bits=16 over vLLM's own pages, chosen once for the engine (the builder and every impl alike):
+    on the CPU "c" (qsinkkv's C decode and row writer) where it compiles, else "torch"; on CUDA "triton"
+    (``kernels/decode_blocks.py``, ``kernels/write.py``), or a refusal naming what is missing (``resolve_backend``:
+    the triton package, head_dim % 4) -- never the torch ops on a GPU."""
+    device = torch.device(vllm_config.device_config.device)
+    dtype = vllm_config.model_config.dtype
+    if device.type == "cpu":
+        return "c" if resolve_backend("auto", device, head_size, None, dtype) == "c" else "torch"
+    return resolve_backend("triton", device, head_size, None, dtype)

@@ -1,0 +1,110 @@
+"""Decode over an engine's own float blocks named by a table, in Triton: vLLM's position-aligned pages (the
+plugin's bits=16), where a row reads its sink blocks and its window's blocks and a bias says which slots its query
+sees.
+
+One program per (sequence, KV head) serves the G query heads of the KV head (each K/V byte read once): it walks
+the row's ``nb`` blocks, each a ``[bs, D]`` tile of keys and of values read through the pools' (head, block)
+strides (vLLM's ``[blocks, Hkv, bs, 2 D]`` pages seen as ``[Hkv, blocks, bs, D]`` views), adds the bias to the
+scores and folds the tile into an online softmax (base 2); learned sink logits start the running (max, sum) at
+``(s_h, 1)`` with no value. A table entry outside the pool is never followed (its tile reads zeros and its slots
+are masked).
+
+Same arguments and contract as ``qsinkkv.decode.decode_blocks_torch`` (the reference) and
+``qsinkkv.decode_c.decode_blocks_c`` (the CPU's).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from qsinkkv import trace
+from qsinkkv.decode import decode_blocks_torch  # noqa: F401  (the kernel's reference)
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _decode_blocks_kernel(q_ptr, k_ptr, v_ptr, table_ptr, bias_ptr, sink_logits_ptr, out_ptr,
+                          k_head_stride, k_block_stride, v_head_stride, v_block_stride, num_blocks,
+                          H_KV, G, NB, qk_scale,
+                          D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                          HAS_SINK_LOGITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // H_KV).to(tl.int64)
+    h = (pid % H_KV).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, BS)
+    g_ok = g < G
+    d_ok = d < D
+    q_rows = (b * H_KV * G + h * G + g) * D
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_SINK_LOGITS:
+        m_i = tl.load(sink_logits_ptr + h * G + g, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for j in range(0, NB):
+        block = tl.load(table_ptr + b * NB + j)
+        inside = (block >= 0) & (block < num_blocks)
+        seen = tl.load(bias_ptr + b * NB * BS + j * BS + t)                        # [BS]: 0 seen, -inf not
+        ok = (seen == 0.0) & (t < tl.where(inside, BS, 0))
+        rows = t[:, None] * D + d[None, :]
+        mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + h * k_head_stride + block * k_block_stride + rows, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + h * v_head_stride + block * v_block_stride + rows, mask=mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_rows[:, None] + d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
+
+
+def decode_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, bias: Tensor, *, scale: float,
+                  sink_logits: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``qsinkkv.decode.decode_blocks_torch``'s contract: ``q [B, H, D]``, ``k_pool, v_pool [Hkv, blocks, bs, D]``
+    (any head and block strides, each block's rows contiguous), ``block_table [B, nb]`` int64, ``bias [B, nb * bs]``
+    float32, ``sink_logits [H]`` or None -> ``[B, H, D]`` float32 (or into ``out``, rounded as ``.to()`` rounds).
+    ``bs`` a power of two >= 16 (vLLM's blocks are multiples of 16), ``D`` a multiple of 4; a call outside these
+    raises by name."""
+    B, H, D = q.shape
+    Hkv, num_blocks, bs, _ = k_pool.shape
+    nb = block_table.shape[1]
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"the Triton blocks decode needs a block of a power of two >= 16 rows, got {bs}")
+    if D % 4 or H % Hkv or k_pool.shape != v_pool.shape or k_pool.shape[3] != D:
+        raise ValueError(f"q must be [B, H, D] (D % 4 == 0, H a multiple of Hkv={Hkv}) over pools [Hkv, blocks, bs, "
+                         f"D={D}], got q {list(q.shape)}, pools {list(k_pool.shape)} and {list(v_pool.shape)}")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.stride(3) != 1 or pool.stride(2) != D:
+            raise ValueError(f"{name}'s blocks must be rows of D contiguous values, got strides {pool.stride()}")
+    if bias.shape != (B, nb * bs) or bias.dtype != torch.float32 or block_table.shape[0] != B:
+        raise ValueError(f"bias must be float32 [B={B}, nb * bs={nb * bs}] and block_table [B, nb], got bias "
+                         f"{bias.dtype} {list(bias.shape)}, block_table {list(block_table.shape)}")
+    trace.ran("decode", "triton")
+    G = H // Hkv
+    q = q.contiguous()
+    result = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
+    if sink_logits is not None:
+        sink_logits = sink_logits.to(device=q.device, dtype=torch.float32).contiguous()
+    _decode_blocks_kernel[(B * Hkv,)](
+        q, k_pool, v_pool, block_table.to(torch.int64).contiguous(), bias.contiguous(),
+        sink_logits if sink_logits is not None else q, result,
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), num_blocks, Hkv, G, nb,
+        scale * math.log2(math.e),
+        D=D, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        HAS_SINK_LOGITS=sink_logits is not None, DOT_PRECISION="ieee" if _INTERPRET else "tf32")
+    return result if out is None else out.copy_(result)

@@ -246,9 +246,8 @@ def test_a_step_is_planned_without_reading_a_device_tensor_on_the_host(monkeypat
 @pytest.mark.parametrize("learned_sinks", [False, True])
 def test_a_bits16_forward_reads_no_device_tensor_on_the_host(monkeypatch, learned_sinks):
     """bits=16 on a GPU (the Triton decode and row writer, SDPA's prefill, over vLLM's pages): the forward of every
-    step, its q, k,
-    v, pages, output and learned sinks standing for CUDA tensors, runs under ``GpuRules`` (no host read, no host
-    tensor in a device op) and gives what the same forward gives on host tensors."""
+    step, its q, k, v, pages, output and learned sinks standing for CUDA tensors, runs under ``GpuRules`` (no host
+    read, no host tensor in a device op) and gives what the same forward gives on host tensors."""
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=16, block_size=16, sink_dtype=torch.float32,
                       window_dtype=torch.float32)
     sinks = _sinks(torch.Generator().manual_seed(5)) if learned_sinks else None

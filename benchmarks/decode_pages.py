@@ -8,9 +8,10 @@ qsinkkv's int8/int4 pages, ``engine_pages.PageLayout``), and one decode step of 
    are views of one uint8 page tensor, as ``QuantImpl`` runs it in vLLM), Llama-3-8B's attention shape (32 heads,
    8 KV heads, head_dim 128), ``L`` visible tokens (S = 4 sinks + the window), block 16 (vLLM's default), against,
    in the same run: SDPA over a bf16 cache of the same L tokens (the flash kernel, GQA-native where it takes it)
-   and qsinkkv's bits=16 decode (the same Triton kernel over float blocks). ``x SDPA`` / ``x bits16``: their time
-   over ours. GB/s counts the bytes a step reads (ours: the pages each row's visible set lies in; SDPA: the bf16
-   K and V), ``%copy`` against this device's copy bandwidth measured in the same run.
+   and qsinkkv's bits=16 decode over vLLM's own bf16 pages (``kernels/decode_blocks.py``, the plugin's bits=16 on
+   CUDA). ``x SDPA`` / ``x bits16``: their time over ours. GB/s counts the bytes a step reads (ours: the pages
+   each row's visible set lies in; SDPA: the bf16 K and V), ``%copy`` against this device's copy bandwidth
+   measured in the same run.
 2. ``e2e``: one decode step (every row one token) of a stack of Llama-3-8B-shaped layers with random weights
    (q/k/v/o projections, SwiGLU MLP; no norms or RoPE: they cost the same in both), context L: bf16 K/V
    (SDPA over a preallocated cache) at batch B against int4 pages at 3B rows (the engine step as the plugin runs
@@ -28,8 +29,6 @@ from common import add_device_options, bench_ms, device_name, empty_cache, gpu_p
 
 from qsinkkv import CacheConfig
 from qsinkkv.engine_pages import EngineStep, LayerPools, PageLayout, step_tables
-from qsinkkv.layout import WindowLayout
-from qsinkkv.storage import LayerStorage
 
 LLAMA = dict(H=32, Hkv=8, D=128, hidden=4096, inter=14336, layers=32)
 TINY = dict(H=4, Hkv=2, D=32, hidden=64, inter=128, layers=2)
@@ -97,14 +96,18 @@ def time_sdpa(B, L, q, shape, device) -> float:
     return bench_ms(lambda: sdpa(q.unsqueeze(2), k, v), device)
 
 
-def time_bits16(B, L, q, shape, ops, block, device) -> float:
-    """qsinkkv's bits=16 decode (the same Triton kernel, float blocks only) over L stored tokens a row."""
-    store = LayerStorage.allocate(WindowLayout(window_config(16, L, shape["D"], block)), B, shape["Hkv"],
-                                  shape["D"], device)
-    for name in ("sink_k", "sink_v", "float_k", "float_v"):
-        getattr(store, name).normal_()
-    store.seq_lens.fill_(L)
-    return bench_ms(lambda: ops.decode(q, store), device)
+def time_bits16(B, L, q, shape, block, device) -> float:
+    """qsinkkv's bits=16 decode over vLLM's own pages, as the plugin runs it on CUDA (``kernels/decode_blocks.py``):
+    each row's ``cdiv(L, block)`` position-aligned bf16 blocks, all seen."""
+    from qsinkkv.kernels.decode_blocks import decode_blocks
+    Hkv, D = shape["Hkv"], shape["D"]
+    nb = -(-L // block)
+    pages = torch.randn(1 + B * nb, Hkv, 2 * block, D, dtype=torch.bfloat16, device=device)  # [blocks, Hkv, 2 bs, D]
+    k_pool, v_pool = (x.transpose(0, 1) for x in pages.chunk(2, dim=2))
+    table = (1 + torch.arange(B * nb, device=device)).view(B, nb)
+    bias = torch.zeros(B, nb * block, device=device)
+    bias[:, L:] = float("-inf")
+    return bench_ms(lambda: decode_blocks(q, k_pool, v_pool, table, bias, scale=shape["D"] ** -0.5), device)
 
 
 def time_pages(bits, B, L, q, shape, ops, block, device) -> tuple[float, int]:
@@ -125,7 +128,7 @@ def bench_pages(args, shape, ops_for, device, gbs) -> list[dict]:
         for B in args.batch:
             q = torch.randn(B, H, D, dtype=torch.bfloat16, device=device)
             t_sdpa = time_sdpa(B, L, q, shape, device)
-            t16 = time_bits16(B, L, q, shape, ops, args.block, device)
+            t16 = time_bits16(B, L, q, shape, args.block, device)
             empty_cache(device)
             for bits in (8, 4):
                 t, read = time_pages(bits, B, L, q, shape, ops, args.block, device)

@@ -1,6 +1,6 @@
 """Offline codegen check of the Triton decode and prefill kernels for the H200 (sm_90a), no GPU needed.
 
-    python benchmarks/kernel_sass.py [--dims 128 64] [--bits 16 8 4] [--decode-variant folded] [--warps 4]
+    python benchmarks/kernel_sass.py [--dims 128 64] [--bits 16 8 4] [--decode-variant folded] [--warps N]
                                      [--pages] [--sass-dir out/sass]
 
 Compiles ``_decode_kernel`` for ``GPUTarget("cuda", 90, 32)`` on this machine (Triton ships
@@ -215,7 +215,7 @@ def main():
     ap.add_argument("--bits", nargs="+", type=int, default=[16, 8, 4])
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--group", type=int, default=64)
-    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--warps", type=int, help="warps per program (default: the launch's, decode_warps(block))")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--decode-variant", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="int8/int4: the decode variants to compile (default: all)")
@@ -224,6 +224,8 @@ def main():
                          "cache's own head-major pools")
     ap.add_argument("--sass-dir", help="also write each kernel's SASS here")
     a = ap.parse_args()
+    if a.warps is None:
+        a.warps = importlib.import_module("qsinkkv.kernels.decode_attention").decode_warps(a.block)
     if a.pages:  # a page holds quantized blocks: bits 16 keeps the engine's own pages
         a.bits = [b for b in a.bits if b != 16]
     pools = "an engine's pages" if a.pages else "head-major pools"

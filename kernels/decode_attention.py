@@ -63,6 +63,18 @@ VARIANTS = ("dequantize", "folded", "fp16")
 STAGES = (3, 2, 1)
 
 
+def decode_warps(block_size: int) -> int:
+    """Warps per program of ``_decode_kernel`` (the launch and benchmarks/kernel_sass.py take it from here). Each
+    warp repeats a block's fixed work (loop control, the block's addresses and stats, the softmax on the G query
+    rows), which weighs more the fewer bytes a block holds, so small blocks get fewer warps. The yardstick, D 128
+    over an engine's pages (``kernel_sass.py --pages``, 2026-12-05), warp-instructions per KV byte of the main loop,
+    int8 / int4 (dequantize), no spills but where said: block 16, 4 warps 0.52 / 0.98, 1 warp 0.24 / 0.49;
+    block 32, 4 warps 0.33 / 0.69 (8 spilled bytes at int8), 2 warps 0.26 / 0.56 (24 at int4); block 64 (the
+    cache's own pools), 4 warps 0.27 / 0.61, 2 warps 0.22 / 0.50 at 255 registers and spills in two variants: kept
+    at 4, the count the H200 ran."""
+    return 1 if block_size <= 16 else 2 if block_size <= 32 else 4
+
+
 @triton.jit
 def _rotate(x_lo, x_hi, idx, inv_freq):
     """RoPE (rotate_half form) of the halves ``[N, DH]`` by integer positions ``idx [N]``."""
@@ -590,7 +602,7 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1], *strides,
     ), consts, key=(q.device, q.dtype, cfg.sink_dtype, cfg.window_dtype, cfg.scale_dtype), stages=STAGES,
         name="decode", what=f"head_dim={D}, block_size={cfg.block_size}, bits={cfg.bits}",
-        fix="use a smaller block_size, or backend='torch'")
+        fix="use a smaller block_size, or backend='torch'", num_warps=decode_warps(cfg.block_size))
     out = alloc(B, H, D)
     _merge_kernel[(B * H,)](
         part_acc, part_ml, sink_logits if sink_logits is not None else part_ml, out, Hkv, G, D,

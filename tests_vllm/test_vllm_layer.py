@@ -105,13 +105,14 @@ def _schedule():
     return steps
 
 
-def _drive(layer: Layer, sinks: torch.Tensor | None, exact: bool) -> list[tuple[str, str]]:
-    """Every step through the plugin's layer and through ``PagedCache`` (the same K/V and sink logits); returns the
-    kernels the layer ran (``trace``)."""
+def _drive(layer: Layer, sinks: torch.Tensor | None, tol: float, steps=None, also=None) -> list[tuple[str, str]]:
+    """Every step (``steps``, default ``_schedule()``) through the plugin's layer and through ``PagedCache`` (the
+    same K/V and sink logits), equal to ``tol`` (0: bit for bit); ``also(rows, lens, q, k, v, out)`` after each
+    step, if given. Returns the kernels the layer ran (``trace``)."""
     ref = PagedCache(layer.cfg, 1, Hkv, D, max_seqs=4, float_blocks=16, quant_blocks=32, dtype=torch.float32)
     g = torch.Generator().manual_seed(11)
     ran = []
-    for rows, lens in _schedule():
+    for rows, lens in steps or _schedule():
         while len(ref.seq_ids) <= max(rows):
             ref.admit()
         N = sum(lens)
@@ -126,11 +127,13 @@ def _drive(layer: Layer, sinks: torch.Tensor | None, exact: bool) -> list[tuple[
         order = torch.cat([torch.arange(starts[r], starts[r] + lens[rows.index(r)]) for r in sorted(rows)])
         ref_qsl = torch.tensor([0, *torch.tensor(ref_lens).cumsum(0).tolist()])
         expect = ref.attend_packed(0, q[order], k[order], v[order], ref_qsl, sink_logits=sinks)
-        if exact:
+        if not tol:
             assert torch.equal(got[order], expect), \
                 f"rows {rows} lens {lens}: max diff {(got[order] - expect).abs().max()}"
         else:
-            torch.testing.assert_close(got[order], expect, rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(got[order], expect, rtol=tol, atol=tol)
+        if also is not None:
+            also(rows, lens, q, k, v, got)
     return ran
 
 
@@ -149,7 +152,7 @@ def test_a_quantized_layer_equals_paged_cache(monkeypatch, bits, learned_sinks):
                       sink_dtype=torch.float32, window_dtype=torch.float32, scale_dtype=torch.float32)
     sinks = _sinks(torch.Generator().manual_seed(bits)) if learned_sinks else None
     layer = Layer(cfg, monkeypatch, sinks)
-    ran = _drive(layer, sinks, exact=True)
+    ran = _drive(layer, sinks, tol=0)
     assert ("engine_step", "c") in ran and ("prefill", "torch") in ran
 
 
@@ -167,7 +170,7 @@ def test_a_bits16_layer_equals_paged_cache(monkeypatch, decode, learned_sinks):
     else:
         layer = Layer(cfg, monkeypatch, sinks, backend=decode)
     assert layer.impl.kernels == decode
-    ran = _drive(layer, sinks, exact=False)
+    ran = _drive(layer, sinks, tol=2e-5)
     assert {kernel for op, kernel in ran if op in ("decode", "write_rows")} == {decode}, ran
 
 
@@ -288,30 +291,17 @@ def test_a_quantized_layer_on_cuda_runs_the_triton_kernels_with_no_host_read(mon
     on_host = Layer(cfg, monkeypatch, sinks, device="cuda")
     on_device = Layer(cfg, monkeypatch, sinks, device="cuda")
     assert on_host.impl.ops.backend == "triton"
-    ref = PagedCache(cfg, 1, Hkv, D, max_seqs=4, float_blocks=16, quant_blocks=32, dtype=torch.float32)
-    g = torch.Generator().manual_seed(4)
-    ran = set()
-    for rows, lens in _schedule()[:24]:  # (the interpreter is slow: prompts, decodes past the capacity)
-        while len(ref.seq_ids) <= max(rows):
-            ref.admit()
-        N = sum(lens)
-        q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), \
-            torch.randn(N, Hkv, D, generator=g)
-        with trace.recording() as step_ran:
-            got = on_host.step(rows, lens, q, k, v)
-        ran |= set(step_ran)
-        order = sorted(range(len(rows)), key=lambda i: rows[i])
-        idx = torch.cat([torch.arange(sum(lens[:i]), sum(lens[:i + 1])) for i in order])
-        ref_lens = [lens[rows.index(r)] if r in rows else 0 for r in range(len(ref.seq_ids))]
-        expect = ref.attend_packed(0, q[idx], k[idx], v[idx], torch.tensor([0, *torch.tensor(ref_lens).cumsum(0)]),
-                                   sink_logits=sinks)
-        torch.testing.assert_close(got[idx], expect, rtol=1e-4, atol=1e-4)
+    on_device.impl.sinks = None if sinks is None else on_gpu(sinks)
+
+    def under_gpu_rules(rows, lens, q, k, v, got):
         md = on_device.metadata(rows, lens)
-        out = on_gpu(torch.full((N, H * D), float("nan")))
-        on_device.impl.sinks = None if sinks is None else on_gpu(sinks)
+        out = on_gpu(torch.full((q.shape[0], H * D), float("nan")))
         with GpuRules():
             built = on_device.builder.build(0, _on_gpu(md))
             on_device.impl.forward(None, on_gpu(q), on_gpu(k), on_gpu(v), on_gpu(on_device.kv_cache), built, out)
         assert torch.equal(values(out).view(-1, H, D), got)
+
+    # (the interpreter is slow: prompts, decodes past the capacity)
+    ran = set(_drive(on_host, sinks, tol=1e-4, steps=_schedule()[:24], also=under_gpu_rules))
     assert {kernel for _, kernel in ran} == {"triton"}, ran
     assert {op for op, _ in ran} == {"write_rows", "write_blocks", "prefill", "decode"}, ran

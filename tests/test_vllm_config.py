@@ -44,10 +44,17 @@ def test_raw_config_must_be_a_dict():
     ({"head_dim": 48}, "head_dim"),                                  # value groups of 32 do not divide 48
     ({"enable_prefix_caching": True}, "enable_prefix_caching"),
     ({"speculative": True}, "speculative_config"),
+    ({"kv_heads": 8, "tensor_parallel_size": 3}, "tensor_parallel_size=3"),   # splits 8 KV heads unevenly
+    ({"kv_heads": 3, "tensor_parallel_size": 4}, "tensor_parallel_size=4"),   # replicates 3 unevenly
 ])
 def test_engine_settings_refused_naming_the_field(change, field):
     with pytest.raises(PluginConfigError, match=field):
         check_engine(parse_config(GOOD), **{**ENGINE, **change})
+
+
+@pytest.mark.parametrize("kv_heads, tp", [(3, 3), (8, 2), (8, 8), (2, 4), (3, 9), (8, 1)])
+def test_a_tensor_parallel_degree_that_splits_or_replicates_whole_kv_heads_is_taken(kv_heads, tp):
+    assert check_engine(parse_config(GOOD), **{**ENGINE, "kv_heads": kv_heads, "tensor_parallel_size": tp}) == 32
 
 
 def test_block_size_must_be_a_multiple_of_16():

@@ -66,6 +66,22 @@ def test_a_preempted_request_gives_the_tokens_it_gives_without_preemption(refere
     assert tight["tokens"] == roomy["tokens"]
 
 
+def test_tensor_parallel_ranks_give_the_single_process_tokens(reference, monkeypatch):
+    """``tensor_parallel_size=3`` on the CPU (the default model's 3 KV heads, one a rank; three CPU workers on one
+    NUMA node start only with ``VLLM_CPU_OMP_THREADS_BIND=nobind``): bits=16 float32, S=4 W=60, 4 prompts x 48
+    tokens streaming past the capacity give exactly the tokens of one process (each rank holds its head's sinks and
+    window; the all-reduce of the heads' outputs is the only new sum). About 3 minutes on 2 cores."""
+    run = reference["bits16"]
+    spec = {"prompts": run["prompts"][:4], "max_tokens": 48, "qsinkkv": run["config"], "max_model_len": 256}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    alone = run_engine(spec)
+    ranks = run_engine({**spec, "llm": {"tensor_parallel_size": 3}}, timeout=600)
+    assert "error" not in alone and "error" not in ranks, (alone.get("error"), ranks.get("error"))
+    C = run["config"]["sink_tokens"] + run["config"]["recent_tokens"]
+    assert all(len(p) + 48 > C for p in spec["prompts"])  # (past the capacity)
+    assert ranks["tokens"] == alone["tokens"]
+
+
 def _replay_into_paged_cache(steps: list, cfg) -> int:
     """Feed one layer's captured vLLM forwards (``engine.py`` capture) to ``PagedCache`` in the engine's row order;
     every output must be the same bits. A request is its sink page; one that starts on a page takes a new

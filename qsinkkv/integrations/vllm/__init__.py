@@ -114,15 +114,17 @@ def _validate(vllm_config) -> None:
         return
     cfg = parse_config(raw)
     cache, model = vllm_config.cache_config, vllm_config.model_config
-    head_dim = None
+    head_dim = kv_heads = None
     if model is not None:
         try:
-            head_dim = model.get_head_size()
+            head_dim, kv_heads = model.get_head_size(), model.get_total_num_kv_heads()
         except Exception:
-            head_dim = None
+            head_dim = kv_heads = None
+    parallel = getattr(vllm_config, "parallel_config", None)
     bs = check_engine(cfg, block_size=cache.block_size, user_block_size=bool(cache.user_specified_block_size),
                       head_dim=head_dim, enable_prefix_caching=bool(cache.enable_prefix_caching),
                       speculative=vllm_config.speculative_config is not None,
-                      max_model_len=getattr(model, "max_model_len", None))
+                      max_model_len=getattr(model, "max_model_len", None), kv_heads=kv_heads,
+                      tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1))
     cache.block_size = bs
     cache.user_specified_block_size = True

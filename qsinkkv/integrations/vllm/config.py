@@ -68,9 +68,16 @@ def parse_config(raw: dict) -> CacheConfig:
 
 
 def check_engine(cfg: CacheConfig, *, block_size: int | None, user_block_size: bool, head_dim: int | None,
-                 enable_prefix_caching: bool, speculative: bool, max_model_len: int | None) -> int:
-    """Check the engine settings against ``cfg``; returns the vLLM block size to use (ours)."""
+                 enable_prefix_caching: bool, speculative: bool, max_model_len: int | None,
+                 kv_heads: int | None = None, tensor_parallel_size: int = 1) -> int:
+    """Check the engine settings against ``cfg``; returns the vLLM block size to use (ours). ``kv_heads``: the
+    model's KV heads; a tensor-parallel degree must split them evenly (each rank holds its own heads' K/V) or
+    replicate them whole (a degree that is a multiple of them), as vLLM's QKV projection does."""
     bs = cfg.block_size
+    tp = tensor_parallel_size
+    if kv_heads and tp > 1 and ((tp < kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads)):
+        raise PluginConfigError(f"tensor_parallel_size={tp} neither divides the model's {kv_heads} KV heads nor is a "
+                                "multiple of them: each rank must hold whole KV heads (their sinks and window)")
     if bs % 16:  # vLLM's block tables and the CPU runner want whole 16-token kernel blocks
         raise PluginConfigError(f"CacheConfig.block_size must be a multiple of 16 inside vLLM (it is vLLM's block "
                                 f"size), got block_size={bs}")

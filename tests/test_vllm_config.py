@@ -46,6 +46,7 @@ def test_raw_config_must_be_a_dict():
     ({"speculative": True}, "speculative_config"),
     ({"kv_heads": 8, "tensor_parallel_size": 3}, "tensor_parallel_size=3"),   # splits 8 KV heads unevenly
     ({"kv_heads": 3, "tensor_parallel_size": 4}, "tensor_parallel_size=4"),   # replicates 3 unevenly
+    ({"positions": 512}, "max_model_len=1024 is past the model's 512 positions"),  # the rotary table's
 ])
 def test_engine_settings_refused_naming_the_field(change, field):
     with pytest.raises(PluginConfigError, match=field):

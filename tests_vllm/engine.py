@@ -17,7 +17,8 @@ not shorter than max_model_len -- gets its message in ``refused`` and ``None`` i
 it ``LLM.generate`` raises for the whole batch).
 Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), block_size, prefix_caching (on or off),
 held_blocks (per request: the most it held, and what it held at its end), with refusals ``refused`` ({index:
-message}) and ``finish_reasons``, or error (the message of the exception that stopped the engine).
+message}) and ``finish_reasons``, or error (the message of the exception that stopped the engine, at start or
+mid-run).
 """
 from __future__ import annotations
 
@@ -83,6 +84,32 @@ def run(spec: dict) -> dict:
     if spec.get("warmup"):
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     t0 = time.perf_counter()
+    try:
+        _generate(llm, spec, prompts, params, out)
+    except Exception as e:  # what stopped the engine mid-run (e.g. a value qsinkkv's checks refused)
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    out["seconds"] = time.perf_counter() - t0
+    out["preemptions"] = len(preempted) if spec.get("count_preemptions") else None
+    if spec.get("capture"):
+        import torch
+        torch.save(captured, spec["capture"])
+        out["captured_steps"] = len(captured)
+    kv = llm.llm_engine.vllm_config.cache_config
+    out["num_blocks"] = kv.num_gpu_blocks
+    out["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    if spec.get("step"):
+        out["page_size_bytes"] = int(_manager(llm).kv_cache_spec.page_size_bytes)
+    out["tokens_per_s"] = sum(len(t) for t in out["tokens"] if t is not None) / out["seconds"]
+    try:  # stop the engine core (and its worker) before this process goes
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return out
+
+
+def _generate(llm, spec: dict, prompts: list, params, out: dict) -> None:
+    """Run the prompts (by ``spec``'s mode) into ``out``: tokens and the mode's extras."""
     if spec.get("step"):
         engine, manager = llm.llm_engine, _manager(llm)
         ids = [f"r{i}" for i in range(len(prompts))]
@@ -119,23 +146,6 @@ def run(spec: dict) -> dict:
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
         out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-    out["seconds"] = time.perf_counter() - t0
-    out["preemptions"] = len(preempted) if spec.get("count_preemptions") else None
-    if spec.get("capture"):
-        import torch
-        torch.save(captured, spec["capture"])
-        out["captured_steps"] = len(captured)
-    kv = llm.llm_engine.vllm_config.cache_config
-    out["num_blocks"] = kv.num_gpu_blocks
-    out["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-    if spec.get("step"):
-        out["page_size_bytes"] = int(_manager(llm).kv_cache_spec.page_size_bytes)
-    out["tokens_per_s"] = sum(len(t) for t in out["tokens"] if t is not None) / out["seconds"]
-    try:  # stop the engine core (and its worker) before this process goes
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    return out
 
 
 def _capture_first_layer(captured: list) -> None:

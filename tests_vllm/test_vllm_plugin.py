@@ -82,6 +82,17 @@ def test_tensor_parallel_ranks_give_the_single_process_tokens(reference, monkeyp
     assert ranks["tokens"] == alone["tokens"]
 
 
+def test_max_model_len_past_the_models_positions_is_refused_at_start(monkeypatch):
+    """``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` lets vLLM take a ``max_model_len`` past the model's 8,192 positions; past
+    them vLLM's rotary embedding reads beyond its cos/sin table and the keys are undefined (tried here: once |k| ~
+    1e37, which qsinkkv's value checks refused mid-run; once finite garbage, stored and attended to). The plugin
+    refuses such an engine at start, naming max_model_len; up to the positions, it runs."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    cfg = {"sink_tokens": 4, "recent_tokens": 252, "bits": 4, "block_size": 32, "value_group_size": 32}
+    out = run_engine({"prompts": [[1, 2, 3]], "max_tokens": 4, "qsinkkv": cfg, "max_model_len": 65536}, timeout=240)
+    assert "error" in out and "max_model_len=65536 is past the model's 8192 positions" in out["error"], out
+
+
 def _replay_into_paged_cache(steps: list, cfg) -> int:
     """Feed one layer's captured vLLM forwards (``engine.py`` capture) to ``PagedCache`` in the engine's row order;
     every output must be the same bits. A request is its sink page; one that starts on a page takes a new

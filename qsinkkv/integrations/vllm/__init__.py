@@ -99,6 +99,16 @@ def _prefix_caching_off_unless_asked() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
+def _rotary_positions(text_config) -> int | None:
+    """The positions a model's rotary table holds where that is plain (``max_position_embeddings`` of an unscaled
+    RoPE: ``rope_type`` "default", in ``rope_parameters`` or the older ``rope_scaling``), else None (not known)."""
+    if text_config is None:
+        return None
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+    return getattr(text_config, "max_position_embeddings", None) if kind == "default" else None
+
+
 def backend_member() -> str:
     """The member of vLLM's ``AttentionBackendEnum`` the backend is registered under (and names itself by): ``CUSTOM``
     on CUDA/ROCm, ``CPU_ATTN`` (overridden: vLLM's CPU platform ignores ``--attention-backend``) on the CPU."""
@@ -114,17 +124,18 @@ def _validate(vllm_config) -> None:
         return
     cfg = parse_config(raw)
     cache, model = vllm_config.cache_config, vllm_config.model_config
-    head_dim = kv_heads = None
+    head_dim = kv_heads = positions = None
     if model is not None:
         try:
             head_dim, kv_heads = model.get_head_size(), model.get_total_num_kv_heads()
         except Exception:
             head_dim = kv_heads = None
+        positions = _rotary_positions(getattr(model, "hf_text_config", None))
     parallel = getattr(vllm_config, "parallel_config", None)
     bs = check_engine(cfg, block_size=cache.block_size, user_block_size=bool(cache.user_specified_block_size),
                       head_dim=head_dim, enable_prefix_caching=bool(cache.enable_prefix_caching),
                       speculative=vllm_config.speculative_config is not None,
                       max_model_len=getattr(model, "max_model_len", None), kv_heads=kv_heads,
-                      tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1))
+                      tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1), positions=positions)
     cache.block_size = bs
     cache.user_specified_block_size = True

@@ -69,10 +69,18 @@ def parse_config(raw: dict) -> CacheConfig:
 
 def check_engine(cfg: CacheConfig, *, block_size: int | None, user_block_size: bool, head_dim: int | None,
                  enable_prefix_caching: bool, speculative: bool, max_model_len: int | None,
-                 kv_heads: int | None = None, tensor_parallel_size: int = 1) -> int:
+                 kv_heads: int | None = None, tensor_parallel_size: int = 1, positions: int | None = None) -> int:
     """Check the engine settings against ``cfg``; returns the vLLM block size to use (ours). ``kv_heads``: the
     model's KV heads; a tensor-parallel degree must split them evenly (each rank holds its own heads' K/V) or
-    replicate them whole (a degree that is a multiple of them), as vLLM's QKV projection does."""
+    replicate them whole (a degree that is a multiple of them), as vLLM's QKV projection does. ``positions``: the
+    positions the model's rotary table holds (``max_position_embeddings`` of a model without RoPE scaling), or None
+    (not known): a ``max_model_len`` past it is refused."""
+    if positions is not None and max_model_len is not None and max_model_len > positions:
+        raise PluginConfigError(
+            f"max_model_len={max_model_len} is past the model's {positions} positions: inside vLLM keys arrive rotated "
+            "at their true positions by the model's rotary table, which holds that many (past it, vLLM reads beyond "
+            f"the table: the keys are undefined, and qsinkkv's window cannot make them right). Use max_model_len <= "
+            f"{positions}; a request's KV blocks stay a window's whatever its length")
     bs = cfg.block_size
     tp = tensor_parallel_size
     if kv_heads and tp > 1 and ((tp < kv_heads and kv_heads % tp) or (tp > kv_heads and tp % kv_heads)):

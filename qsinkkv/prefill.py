@@ -77,6 +77,12 @@ def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage
             bias = torch.zeros(seen.shape, dtype=work, device=seen.device).masked_fill_(~seen, float("-inf"))
             seen = torch.cat((bias.expand(B, H, t, -1), sink_logits.to(work).view(1, H, 1, 1).expand(B, H, t, 1)),
                              dim=3)
+            # row by row: with a float mask SDPA's CPU path gives a row of a batch a result a rounding apart from
+            # the row alone on some CPUs and thread counts (seen with 2 threads, 7e-8): each row alone, always
+            return torch.cat([F.scaled_dot_product_attention(q_t[b:b + 1].to(work), k_t[b:b + 1], v_t[b:b + 1],
+                                                             attn_mask=seen[b:b + 1], scale=scale,
+                                                             enable_gqa=H != k_t.shape[1]) for b in range(B)]
+                             ).to(q_t.dtype)
         out = F.scaled_dot_product_attention(q_t.to(work), k_t, v_t, attn_mask=seen, scale=scale,
                                              enable_gqa=q_t.shape[1] != k_t.shape[1])
         return out.to(q_t.dtype)

@@ -2,12 +2,13 @@
 plugin's bits=16), where a row reads its sink blocks and its window's blocks and a bias says which slots its query
 sees.
 
-One program per (sequence, KV head) serves the G query heads of the KV head (each K/V byte read once): it walks
-the row's ``nb`` blocks, each a ``[bs, D]`` tile of keys and of values read through the pools' (head, block)
-strides (vLLM's ``[blocks, Hkv, bs, 2 D]`` pages seen as ``[Hkv, blocks, bs, D]`` views), adds the bias to the
-scores and folds the tile into an online softmax (base 2); learned sink logits start the running (max, sum) at
-``(s_h, 1)`` with no value. A table entry outside the pool is never followed (its tile reads zeros and its slots
-are masked).
+Grid ``(B * Hkv, splits)``: one program per (sequence, KV head, run of blocks) serves the G query heads of the KV
+head (each K/V byte read once): it walks its run of the row's ``nb`` blocks, each a ``[bs, D]`` tile of keys and
+of values read through the pools' (head, block) strides (vLLM's ``[blocks, Hkv, bs, 2 D]`` pages seen as
+``[Hkv, blocks, bs, D]`` views), adds the bias to the scores and folds the tile into an online softmax (base 2);
+the decode kernel's merge (``decode_attention._merge_kernel``) combines the runs' (max, sum, acc) and adds the
+learned sink logits (flash-decoding: splits sized from the SM count, ``_num_splits``). A table entry outside the
+pool is never followed (its tile reads zeros and its slots are masked).
 
 Same arguments and contract as ``qsinkkv.decode.decode_blocks_torch`` (the reference) and
 ``qsinkkv.decode_c.decode_blocks_c`` (the CPU's).
@@ -24,17 +25,19 @@ from torch import Tensor
 
 from qsinkkv import trace
 from qsinkkv.decode import decode_blocks_torch  # noqa: F401  (the kernel's reference)
+from qsinkkv.kernels.decode_attention import _merge_kernel, _num_splits
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _decode_blocks_kernel(q_ptr, k_ptr, v_ptr, table_ptr, bias_ptr, sink_logits_ptr, out_ptr,
+def _decode_blocks_kernel(q_ptr, k_ptr, v_ptr, table_ptr, bias_ptr, part_acc_ptr, part_ml_ptr,
                           k_head_stride, k_block_stride, v_head_stride, v_block_stride, num_blocks,
-                          H_KV, G, NB, qk_scale,
-                          D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                          HAS_SINK_LOGITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
+                          H_KV, G, NB, BLOCKS_PER_SPLIT, qk_scale,
+                          D: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)            # (sequence, KV head)
+    split = tl.program_id(1)          # its run of blocks
     b = (pid // H_KV).to(tl.int64)
     h = (pid % H_KV).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -44,14 +47,12 @@ def _decode_blocks_kernel(q_ptr, k_ptr, v_ptr, table_ptr, bias_ptr, sink_logits_
     d_ok = d < D
     q_rows = (b * H_KV * G + h * G + g) * D
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    if HAS_SINK_LOGITS:
-        m_i = tl.load(sink_logits_ptr + h * G + g, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
-    else:
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for j in range(0, NB):
+    j0 = split * BLOCKS_PER_SPLIT
+    for i in range(0, tl.minimum(BLOCKS_PER_SPLIT, NB - j0)):
+        j = j0 + i
         block = tl.load(table_ptr + b * NB + j)
         inside = (block >= 0) & (block < num_blocks)
         seen = tl.load(bias_ptr + b * NB * BS + j * BS + t)                        # [BS]: 0 seen, -inf not
@@ -69,8 +70,11 @@ def _decode_blocks_kernel(q_ptr, k_ptr, v_ptr, table_ptr, bias_ptr, sink_logits_
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_rows[:, None] + d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
+    # this split's partial state, as _decode_kernel leaves it for the merge: acc [G, D], (max, sum) [G, 2]
+    prow = ((b * H_KV + h) * SPLITS + split) * G + g
+    tl.store(part_acc_ptr + prow[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=g_ok)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=g_ok)
 
 
 def decode_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, bias: Tensor, *, scale: float,
@@ -97,14 +101,20 @@ def decode_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor
     trace.ran("decode", "triton")
     G = H // Hkv
     q = q.contiguous()
+    splits = _num_splits(B * Hkv, nb, q.device)
+    per_split = triton.cdiv(max(nb, 1), splits)
+    part_acc = torch.empty(B, Hkv, splits, G, D, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(B, Hkv, splits, G, 2, dtype=torch.float32, device=q.device)
+    _decode_blocks_kernel[(B * Hkv, splits)](
+        q, k_pool, v_pool, block_table.to(torch.int64).contiguous(), bias.contiguous(), part_acc, part_ml,
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), num_blocks, Hkv, G, nb, per_split,
+        scale * math.log2(math.e),
+        D=D, BS=bs, SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(G)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), DOT_PRECISION="ieee" if _INTERPRET else "tf32")
     result = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
     if sink_logits is not None:
         sink_logits = sink_logits.to(device=q.device, dtype=torch.float32).contiguous()
-    _decode_blocks_kernel[(B * Hkv,)](
-        q, k_pool, v_pool, block_table.to(torch.int64).contiguous(), bias.contiguous(),
-        sink_logits if sink_logits is not None else q, result,
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), num_blocks, Hkv, G, nb,
-        scale * math.log2(math.e),
-        D=D, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-        HAS_SINK_LOGITS=sink_logits is not None, DOT_PRECISION="ieee" if _INTERPRET else "tf32")
+    _merge_kernel[(B * H,)](part_acc, part_ml, sink_logits if sink_logits is not None else part_ml, result, Hkv, G, D,
+                            SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
+                            BLOCK_D=triton.next_power_of_2(D), HAS_SINK_LOGITS=sink_logits is not None)
     return result if out is None else out.copy_(result)

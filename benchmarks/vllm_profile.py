@@ -77,6 +77,8 @@ def profile(engine: str, batch: int, tokens: int) -> tuple[float, dict]:
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
     timed(Impl, "forward", "attention forward", split_prefill=True)
     timed(Builder, "build", "metadata build")
+    if engine == "stock":  # stock writes its pages outside the forward: its layer call is both
+        timed(Impl, "do_kv_cache_update", "stock's page write", split_prefill=True)
     if engine == "16":  # the forward's parts: the write into vLLM's pages, the decode rows' call
         timed(Impl, "_write", "bits16 write")
         timed(Impl, "_decode", "bits16 decode rows")

@@ -346,6 +346,14 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
     busy = [n for n, t in zip(seq_lens.tolist(), lens) if t]
     if not k.shape[0] or min(busy) >= S:
         return peaks_fit(k, v, q, sink_logits, config) if k.numel() else {}
+    # a prompt's step: one reduction per tensor first -- below both bounds, every token fits wherever it goes
+    whole = torch.stack([peak(x).double() for x in (k, v, q) if x is not None]).tolist()  # (exact: a max |x|)
+    if all(p < min(overflow_bound(config.sink_dtype, x.dtype), window_bound(config, x.dtype))
+           for p, x in zip(whole, (k, v))):
+        ok = {"k": True, "v": True} | ({"q": whole[2] < math.inf} if q is not None else {})
+        if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
+            ok["sink_logits"] = torch.amax(sink_logits).item() < math.inf
+        return ok
     to_sinks = (token_positions(seq_lens, torch.tensor(lens)) < S).to(k.device)             # [N]
     named = {}
     for name, x in (("k", k), ("v", v)):
@@ -386,9 +394,14 @@ def packed_tokens_fit_in_step(config: CacheConfig, seq_lens: Tensor, split: Spli
 
 
 def peak(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
-    """max |x| (over ``dim``, or all of x) in x's dtype: exact, NaN where any is NaN (PyTorch's max propagates
-    it). (``abs().amax`` runs at memory speed on bf16; ``linalg.vector_norm(x, inf)`` was 10-20x slower.)"""
-    return x.abs().amax() if dim is None else x.abs().amax(dim)
+    """max |x| (over ``dim``, or all of x) in x's dtype: exact, NaN where any is NaN (PyTorch's max and aminmax
+    propagate it). Over all of x, ``max(-min, max)`` from one ``aminmax`` pass (no |x| temporary: 10-15x faster
+    than ``abs().amax()`` on a prefill's bf16 q on this CPU); over ``dim``, ``abs().amax(dim)`` (``aminmax`` over a
+    dim was slower; ``linalg.vector_norm(x, inf)`` 10-20x slower)."""
+    if dim is None:
+        lo, hi = torch.aminmax(x)
+        return torch.maximum(-lo, hi)
+    return x.abs().amax(dim)
 
 
 def storable(x: Tensor, pos: Tensor, real: Tensor | None, config: CacheConfig) -> Tensor:

@@ -715,28 +715,75 @@ static inline void store_scalar(void *p, int dt, int64_t i, float x) {
     else ((uint16_t *)p)[i] = dt == BF16 ? float_to_bf16(x) : float_to_half(x);
 }
 
-/* One group of n values x[i * step] (float32, as stored in the window dtype) -> its stored scale and zero and
- * its codes, by quant.py's rule: scale = ((max - min) / qmax) and zero = min rounded to the scale dtype; code =
- * floor((x - zero) / scale + 0.5) clamped (scale 0: 1), from the stored values. Returns 0, or -1 if the stored
- * scale or zero is not finite. */
-static int quantize_group(const float *x, int64_t n, int64_t step, int qmax, int sdt, float *scale, float *zero,
-                          uint8_t *codes) {
-    float lo = x[0], hi = x[0];
-    for (int64_t i = 1; i < n; i++) {
-        const float v = x[i * step];
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-    }
+/* quant.py's rule, one group at a time: scale = (max - min) / qmax and zero = min, each rounded to the scale dtype;
+ * code = floor((x - zero) / scale + 0.5) clamped (scale 0: divide by 1), from the stored values (finite: the step's
+ * checks refused the rest). The loops run along contiguous floats so that they vectorize (min and max of finite
+ * values, and each code, do not depend on the order). Each returns 0, or -1 if a stored scale or zero is not finite. */
+static inline int scale_zero(float lo, float hi, int qmax, int sdt, float *scale, float *zero, float *div) {
     const float s = round_to((hi - lo) / (float)qmax, sdt), z = round_to(lo, sdt);
     if (!isfinite(s) || !isfinite(z)) return -1;
-    const float div = s == 0.0f ? 1.0f : s;
-    for (int64_t i = 0; i < n; i++) {
-        float q = floorf((x[i * step] - z) / div + 0.5f);
-        q = q < 0.0f ? 0.0f : q > (float)qmax ? (float)qmax : q;
-        codes[i * step] = (uint8_t)q;
-    }
     *scale = s;
     *zero = z;
+    *div = s == 0.0f ? 1.0f : s;
+    return 0;
+}
+
+/* clamp(floor(y), 0, qmax) for y = (x - zero) / div + 0.5, as floor(clamp(y, 0, qmax + 1)) capped at qmax: the
+ * same code (below 0 both give 0, at or past qmax + 1 both qmax), with floor a truncation of a value >= 0 -- which
+ * vectorizes, where floorf did not */
+static inline uint8_t code_of(float x, float zero, float div, float qmax) {
+    float y = (x - zero) / div + 0.5f;
+    y = y < 0.0f ? 0.0f : y > qmax + 1.0f ? qmax + 1.0f : y;
+    const int32_t q = (int32_t)y;
+    return (uint8_t)(q > (int32_t)qmax ? (int32_t)qmax : q);
+}
+
+/* Keys, per channel over a block's tokens: x [bs, D] -> scale, zero [D], codes [bs, D]. */
+static int quantize_keys(const float *restrict x, int64_t bs, int64_t D, int qmax, int sdt, float *restrict scale,
+                         float *restrict zero, uint8_t *restrict codes) {
+    float lo[MAX_D], hi[MAX_D], div[MAX_D];
+    for (int64_t d = 0; d < D; d++) lo[d] = hi[d] = x[d];
+    for (int64_t t = 1; t < bs; t++)
+        for (int64_t d = 0; d < D; d++) {
+            const float v = x[t * D + d];
+            lo[d] = v < lo[d] ? v : lo[d];
+            hi[d] = v > hi[d] ? v : hi[d];
+        }
+    for (int64_t d = 0; d < D; d++)
+        if (scale_zero(lo[d], hi[d], qmax, sdt, scale + d, zero + d, div + d)) return -1;
+    for (int64_t t = 0; t < bs; t++)
+        for (int64_t d = 0; d < D; d++) codes[t * D + d] = code_of(x[t * D + d], zero[d], div[d], (float)qmax);
+    return 0;
+}
+
+/* Values, per token over a group of n channels: x [n] -> scale, zero, codes [n]. */
+static int quantize_values(const float *restrict x, int64_t n, int qmax, int sdt, float *scale, float *zero,
+                           uint8_t *restrict codes) {
+    float lo = x[0], hi = x[0], div;
+    if (n % 8 == 0) {  /* eight lanes, then across them */
+        float l8[8], h8[8];
+        for (int j = 0; j < 8; j++) l8[j] = h8[j] = x[j];
+        for (int64_t i = 8; i < n; i += 8)
+            for (int j = 0; j < 8; j++) {
+                const float v = x[i + j];
+                l8[j] = v < l8[j] ? v : l8[j];
+                h8[j] = v > h8[j] ? v : h8[j];
+            }
+        for (int j = 1; j < 8; j++) {
+            lo = l8[j] < lo ? l8[j] : lo;
+            hi = h8[j] > hi ? h8[j] : hi;
+        }
+        lo = l8[0] < lo ? l8[0] : lo;
+        hi = h8[0] > hi ? h8[0] : hi;
+    } else {
+        for (int64_t i = 1; i < n; i++) {
+            lo = x[i] < lo ? x[i] : lo;
+            hi = x[i] > hi ? x[i] : hi;
+        }
+    }
+    if (scale_zero(lo, hi, qmax, sdt, scale, zero, &div)) return -1;
+    const float z = *zero;
+    for (int64_t i = 0; i < n; i++) codes[i] = code_of(x[i], z, div, (float)qmax);
     return 0;
 }
 
@@ -800,14 +847,13 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
         float *kscale = ks + i * H * D * 2, *kzero = kscale + H * D;
         float *vscale = vsz + i * H * bs * K * 2, *vzero = vscale + H * bs * K;
         for (int64_t h = 0; h < H && !code; h++) {
-            for (int64_t d = 0; d < D && !code; d++)  /* keys: per channel over the block's tokens */
-                code = quantize_group(x + h * bs * D + d, bs, D, qmax, sdt, kscale + h * D + d, kzero + h * D + d,
-                                      kc + h * bs * D + d) ? -3 : 0;
+            code = quantize_keys(x + h * bs * D, bs, D, qmax, sdt, kscale + h * D, kzero + h * D, kc + h * bs * D)
+                   ? -3 : 0;
             for (int64_t t = 0; t < bs && !code; t++)  /* values: per token over each group of channels */
                 for (int64_t g = 0; g < K && !code; g++)
-                    code = quantize_group(x + per + (h * bs + t) * D + g * gsz, gsz, 1, qmax, sdt,
-                                          vscale + (h * bs + t) * K + g, vzero + (h * bs + t) * K + g,
-                                          vc + (h * bs + t) * D + g * gsz) ? -3 : 0;
+                    code = quantize_values(x + per + (h * bs + t) * D + g * gsz, gsz, qmax, sdt,
+                                           vscale + (h * bs + t) * K + g, vzero + (h * bs + t) * K + g,
+                                           vc + (h * bs + t) * D + g * gsz) ? -3 : 0;
         }
     }
     for (int64_t i = 0; i < c->n && !code; i++) {  /* every block quantized: write them */

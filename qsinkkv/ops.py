@@ -9,6 +9,8 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
                                                                  qsinkkv.kernels.decode_attention (Triton)
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
+  fresh prefill      (the same; rows that start fresh within     prefill.prefill_fresh_packed (SDPA, causal);
+                     S + W: the causal mask)                     integrations.vllm.cpu_prefill (vLLM's CPU kernel)
   write              write.plan + write.commit: WRITER_TORCH      decode_c.WRITER_C (CPU, C; the same bits);
                      (complete_blocks, store_rows), with the     qsinkkv.kernels.write.WRITER_TRITON (Triton;
                      chosen quantizer                             the same bits)
@@ -79,7 +81,8 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     backend = resolve_backend(backend, device, head_dim, rotary, dtype)
     check_decode_variant(decode_variant, backend, rotary, config, head_dim)
     if backend == "c":
-        return Ops("c", dict(write_blocks="c", write_rows="c", decode="c", prefill="torch", engine_step="c"), quant,
+        return Ops("c", dict(write_blocks="c", write_rows="c", decode="c", prefill="torch", engine_step="c",
+                             prefill_fresh="torch"), quant,
                    decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C, decode_c.EngineDecode,
                    prefill_fresh_packed)
     if backend == "triton":
@@ -92,7 +95,8 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     # each key turns by its index
     if rotary is None:
         return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="torch",
-                                 prefill="torch"), quant, decode_attention_torch, prefill_attention_torch,
+                                 prefill="torch", prefill_fresh="torch"), quant, decode_attention_torch,
+                   prefill_attention_torch,
                    prefill_fresh=prefill_fresh_packed)
     return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="reference",
                              prefill="reference"), quant, functools.partial(decode_attention_reference, rotary=rotary),

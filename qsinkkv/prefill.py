@@ -96,7 +96,7 @@ def prefill_fresh_packed(q: Tensor, k: Tensor, v: Tensor, starts: list[int], len
     (``q [N, H, D]``, ``k, v [N, Hkv, D]``, row i's at ``[starts[i], starts[i] + lens[i])``; every row holds nothing
     yet and brings at most S + W tokens): no padding, no gather -> ``[sum(lens), H, D]`` in q's dtype, the rows'
     tokens in order."""
-    trace.ran("prefill", "torch")
+    trace.ran("prefill_fresh", "torch")
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_empty((sum(lens), *q.shape[1:]))
     at = 0

@@ -186,6 +186,8 @@ def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | Non
     tokens at ``[qsl[b], qsl[b+1])`` (``qsl`` host). Returns ``out``."""
     if split.one and len(split.one) == out.shape[0]:  # a decode step: row order is token order
         return out.copy_(one_out)
+    if split.multi and not split.one and sum(split.multi_lens) == out.shape[0]:  # every token a longer row's, in order
+        return out.copy_(multi_out)
     if split.one:
         out.index_copy_(0, qsl[split.one].to(out.device), one_out)
     if split.multi:

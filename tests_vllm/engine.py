@@ -161,7 +161,9 @@ def _capture_first_layer(captured: list) -> None:
                 first.append(layer.layer_name)
             if layer.layer_name == first[0]:
                 n = attn_metadata.num_actual_tokens
-                captured.append({"backend": self.ops.backend, "q": query[:n].clone(), "k": key[:n].clone(),
+                captured.append({"backend": self.ops.backend,
+                                 "prefill_fresh": self.ops.served_by().get("prefill_fresh"),
+                                 "q": query[:n].clone(), "k": key[:n].clone(),
                                  "v": value[:n].clone(), "qsl": attn_metadata.step.query_start_loc.clone(),
                                  "held": attn_metadata.step.held.clone(),
                                  "sink_pages": attn_metadata.step.tables[0].clone(),

@@ -6,6 +6,7 @@ What a model with learned sinks (gpt-oss's ``sinks``) needs is tested here (the 
 the builders plan a step without reading a device tensor on the host (``gpu_rules.py``)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from qsinkkv.integrations.vllm import state
 from qsinkkv.integrations.vllm.backend import QSinkKVBackend
 from qsinkkv.layout import WindowLayout
 from qsinkkv.paged import PagedCache
+from qsinkkv.prefill import prefill_fresh_packed
 
 Hkv, G, D = 2, 3, 32
 H = Hkv * G
@@ -145,15 +147,24 @@ def _sinks(g: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("learned_sinks", [False, True])
-def test_a_quantized_layer_equals_paged_cache(monkeypatch, bits, learned_sinks):
+@pytest.mark.parametrize("fresh", ["vllm_cpu", "torch"])
+def test_a_quantized_layer_equals_paged_cache(monkeypatch, bits, learned_sinks, fresh):
     """bits 8/4 (qsinkkv's pages, the C engine step for the decode steps): every step's output equals
-    ``PagedCache`` fed the same K/V (and learned sink logits, one head's -inf), bit for bit."""
+    ``PagedCache`` fed the same K/V (and learned sink logits, one head's -inf), bit for bit with ``PagedCache``'s own
+    fresh-prompt prefill (SDPA); with the one the plugin runs on the CPU (vLLM's kernel, ``cpu_prefill.py``), to
+    float32 rounding (a layer with learned sinks prefills through qsinkkv's prefill either way)."""
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=bits, block_size=8, value_group_size=16,
                       sink_dtype=torch.float32, window_dtype=torch.float32, scale_dtype=torch.float32)
     sinks = _sinks(torch.Generator().manual_seed(bits)) if learned_sinks else None
     layer = Layer(cfg, monkeypatch, sinks)
-    ran = _drive(layer, sinks, tol=0)
+    assert layer.impl.ops.served_by()["prefill_fresh"] == "vllm_cpu"
+    if fresh == "torch":
+        layer.impl.ops = replace(layer.impl.ops, prefill_fresh=prefill_fresh_packed,
+                                 kernels={**layer.impl.ops.kernels, "prefill_fresh": "torch"})
+    ran = _drive(layer, sinks, tol=0 if fresh == "torch" else 1e-5)
     assert ("engine_step", "c") in ran and ("prefill", "torch") in ran
+    assert (("prefill_fresh", fresh) in ran) != learned_sinks, ran
+    assert {kernel for op, kernel in ran if op == "prefill_fresh"} <= {fresh}, ran
 
 
 @pytest.mark.parametrize("decode", ["c", "torch", "triton"])

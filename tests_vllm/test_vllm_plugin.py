@@ -1,12 +1,15 @@
 """qsinkkv inside vLLM: stock parity within the capacity, qsinkkv's own reference past it (bits 16 and int4, whole
 prompts and chunked prefill), one layer's int4/int8 forward bit for bit against PagedCache (also over chunked
 prefill past the window), page bytes, refusals."""
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import run_engine
 
 from qsinkkv.engine_pages import PageLayout, max_pages
 from qsinkkv.integrations.vllm import parse_config
+from qsinkkv.integrations.vllm.cpu_prefill import CpuAttnPrefill
 from qsinkkv.layout import WindowLayout
 from qsinkkv.paged import PagedCache, block_bytes
 
@@ -96,11 +99,16 @@ def test_max_model_len_past_the_models_positions_is_refused_at_start(monkeypatch
 def _replay_into_paged_cache(steps: list, cfg) -> int:
     """Feed one layer's captured vLLM forwards (``engine.py`` capture) to ``PagedCache`` in the engine's row order;
     every output must be the same bits. A request is its sink page; one that starts on a page takes a new
-    sequence. Returns the steps compared."""
+    sequence. The cache's fresh-prompt prefill is the kernel the engine's ran (on vLLM's CPU build: vLLM's own,
+    ``cpu_prefill.py``, tested against a float64 oracle in test_vllm_cpu_prefill.py). Returns the steps compared."""
     Hkv, D = steps[0]["k"].shape[1:]
     layout = WindowLayout(cfg)
     cache = PagedCache(cfg, 1, Hkv, D, max_seqs=32, float_blocks=32 * layout.float_slots,
                        quant_blocks=32 * layout.quant_slots, dtype=torch.float32, backend=steps[0]["backend"])
+    assert steps[0]["prefill_fresh"] == "vllm_cpu", steps[0]["prefill_fresh"]
+    H = steps[0]["out"].shape[1]
+    cache.ops = replace(cache.ops, prefill_fresh=CpuAttnPrefill(H, Hkv, D, torch.float32),
+                        kernels={**cache.ops.kernels, "prefill_fresh": "vllm_cpu"})
     seq_of_page = {}
     for i, step in enumerate(steps):
         held, pages, qsl = step["held"], step["sink_pages"].tolist(), step["qsl"]

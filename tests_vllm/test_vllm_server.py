@@ -89,9 +89,10 @@ def _metric(text: str, name: str) -> float:
 
 
 @contextmanager
-def serving(args: list[str], config: dict, name: str):
-    """vLLM's OpenAI server with the plugin (``config``) on 127.0.0.1 and a free port, ``args`` its own options
-    (the model, host, port and config added), up within 300 s: yields ``{port, model, proc, log}``; killed after."""
+def serving(args: list[str], config: dict | None, name: str):
+    """vLLM's OpenAI server with the plugin (``config``; None: stock vLLM) on 127.0.0.1 and a free port, ``args`` its
+    own options (the model, host, port and config added), up within 300 s: yields ``{port, model, proc, log}``;
+    killed after."""
     model = default_model()
     port = _free_port()
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # (a CPU engine)
@@ -99,7 +100,9 @@ def serving(args: list[str], config: dict, name: str):
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"qsinkkv-vllm-{name}-{port}.log", "w")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *args, "--additional-config", json.dumps({"qsinkkv": config})]
+               "--port", str(port), *args]
+    if config is not None:
+        command += ["--additional-config", json.dumps({"qsinkkv": config})]
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         start = time.monotonic()

@@ -222,6 +222,10 @@ def signature(fn: ast.FunctionDef) -> Sig:
 
 def function(src: Source, module: str, qual: str) -> tuple[str, ast.FunctionDef] | None:
     if "." in qual:
+        head, rest = qual.split(".", 1)
+        bound = resolve(src, module, head)
+        if bound and isinstance(bound[1], ast.Module):  # a module bound by name (``from vllm import _cpu_ops as ops``)
+            return function(src, bound[0], rest)
         cls, attr = qual.split(".", 1)
         found = member(src, module, cls, attr)
         if found and isinstance(found[2], (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -299,7 +303,10 @@ def check(src: Source, t: Touch) -> None:
             assert sig.positional[:len(want)] == want, \
                 f"{where}: {found[0]}'s leading parameters are {sig.positional[:len(want)]}, the plugin passes {want}"
         return
-    if t.kind in ("class", "function") or "." not in t.name:
+    if t.kind == "function":
+        assert function(src, t.module, t.name), f"{where}: {t.module} no longer has the function {t.name!r}"
+        return
+    if t.kind == "class" or "." not in t.name:
         found = resolve(src, t.module, t.name)
         assert found, f"{where}: {t.module} no longer has {t.name!r}"
         want = {"class": ast.ClassDef, "function": (ast.FunctionDef, ast.AsyncFunctionDef)}.get(t.kind)

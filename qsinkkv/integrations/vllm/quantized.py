@@ -16,14 +16,16 @@ runs, so one layer's output equals ``PagedCache`` fed the same K/V), or for a de
 checks, write and decode in two C calls, the same bits. A layer with learned sinks (gpt-oss's ``sinks``) passes
 them as the ops' ``sink_logits``: ``exp(s_h)`` joins head h's softmax denominator, as in ``PagedCache``.
 The ops: on the CPU ``select_ops("auto")``, the C decode where it compiles (it steps through the pools by
-their strides, so it reads vLLM's block-major pages in place), else torch; on CUDA ``select_ops("triton")``: the
-Triton write, prefill and decode over the pages (each pool through its strides), with the step's checks on the
-device (no host read in the forward); refused at start where Triton cannot serve (no triton, head_dim % 4).
+their strides, so it reads vLLM's block-major pages in place), else torch, and a fresh prompt's attention through
+vLLM's own CPU kernel in the model's dtype (``cpu_prefill.py``: what stock vLLM runs); on CUDA
+``select_ops("triton")``: the Triton write, prefill and decode over the pages (each pool through its strides), with
+the step's checks on the device (no host read in the forward); refused at start where Triton cannot serve (no
+triton, head_dim % 4).
 Untested with vLLM on a GPU: tested layer by layer under Triton's interpreter (``tests_vllm/test_vllm_layer.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -89,7 +91,12 @@ class QuantImpl(AttentionImpl):
         # the CPU: the C kernels where they compile (else torch); CUDA: qsinkkv's Triton kernels over the pages, or a
         # refusal naming what is missing (select_ops: the triton package, head_dim % 4), never the torch ops
         backend = "auto" if device.type == "cpu" else "triton"
-        self.ops = select_ops(backend, device, head_size, None, dtype=vllm_config.model_config.dtype)
+        dtype = vllm_config.model_config.dtype
+        self.ops = select_ops(backend, device, head_size, None, dtype=dtype)
+        if device.type == "cpu":  # a fresh prompt through the kernel stock vLLM runs on the CPU, in the model's dtype
+            from .cpu_prefill import CpuAttnPrefill  # (vLLM's CPU attention module: imported on the CPU only)
+            self.ops = replace(self.ops, prefill_fresh=CpuAttnPrefill(num_heads, num_kv_heads, head_size, dtype),
+                               kernels={**self.ops.kernels, "prefill_fresh": "vllm_cpu"})
         self._layer = None  # (kv_cache data_ptr, the LayerPools over it)
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,

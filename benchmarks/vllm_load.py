@@ -1,0 +1,223 @@
+"""A memory-bound serving run: vLLM's OpenAI server (stock CPU_ATTN, and the qsinkkv plugin at bits 8 and 4) under one
+KV budget small enough that stock runs only a few requests at once, fed the same requests -- prompts of
+``--prompt-tokens`` random token ids (fixed seed), ``--tokens`` new tokens each, greedy, streamed -- all at once
+(``burst``) and at a steady Poisson arrival rate (``steady``). Per engine and mode: the running requests (vLLM's own
+gauge ``vllm:num_requests_running``, polled every ``--poll`` s: peak and time mean), preemptions
+(``vllm:num_preemptions_total``), output tokens/s, TTFT and TPOT p50/p99 (client side, from the stream), wall time.
+Beside it, stock's own tokens/s at batch 1, 2, 4, 8, 16 with a pool that holds them all (``--sweep``), so that the
+ratio can be read against what batching alone gives on this machine.
+
+The budget is bytes: each engine gets ``--num-gpu-blocks-override`` = budget // (its page bytes x layers) (stock:
+bf16 pages; bits 8/4: qsinkkv's pages, where every byte it uses lives). Everything stays on 127.0.0.1 and is capped
+in count and time. Run it with the vLLM venv's python:
+
+    python benchmarks/vllm_load.py [--budget-mib 48] [--requests 32] [--prompt-tokens 512 1024] [--tokens 256]
+                                   [--capacity 1024] [--rate 0.15] [--modes burst steady] [--engines stock 8 4]
+                                   [--sweep 1 2 4 8 16] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import add_window_options, recent_tokens, save_json, table_header
+
+from qsinkkv.engine_pages import PageLayout
+from qsinkkv.integrations.vllm.config import parse_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests_vllm"))
+from test_vllm_server import _get, _metric, _request, serving  # noqa: E402
+from vllm_serve import model_shape  # noqa: E402
+
+
+def prompts_for(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 5000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def block_bytes(bits: int | None, cfg: dict, shape: tuple) -> int:
+    """One vLLM block over every layer: stock's bf16 K and V, or one qsinkkv page."""
+    L, Hkv, D = shape
+    if bits is None:
+        return L * cfg["block_size"] * Hkv * D * 2 * 2
+    return L * PageLayout.of(parse_config({**cfg, "bits": bits}), Hkv, D).page_bytes
+
+
+def stream(port: int, model: str, prompt: list[int], tokens: int, deadline: float) -> dict:
+    """One streaming completion: submit, first-token and end times (monotonic), tokens (usage), status."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    out = {"submit": time.monotonic(), "first": None, "end": None, "tokens": 0, "status": None}
+    conn, r = _request(port, "POST", "/v1/completions", body, timeout=deadline)
+    out["status"] = r.status
+    try:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and out["first"] is None:
+                out["first"] = time.monotonic()
+            if chunk.get("usage"):
+                out["tokens"] = chunk["usage"]["completion_tokens"]
+    finally:
+        conn.close()
+    out["end"] = time.monotonic()
+    return out
+
+
+class Gauge(threading.Thread):
+    """Polls /metrics every ``every`` s: (time, running, waiting) samples until stopped."""
+
+    def __init__(self, port: int, every: float) -> None:
+        super().__init__(daemon=True)
+        self.port, self.every, self.samples, self.stop = port, every, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            text = _get(self.port, "/metrics")[1]
+            self.samples.append((time.monotonic(), _metric(text, "vllm:num_requests_running"),
+                                 _metric(text, "vllm:num_requests_waiting")))
+            self.stop.wait(self.every)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]  # nearest rank
+
+
+def drive(port: int, model: str, prompts: list[list[int]], tokens: int, arrivals: list[float], poll: float,
+          deadline: float) -> dict:
+    """The requests, each at its arrival time (s after the start), through the running server; the run's figures."""
+    preempted = _metric(_get(port, "/metrics")[1], "vllm:num_preemptions_total")
+    gauge = Gauge(port, poll)
+    gauge.start()
+    t0 = time.monotonic()
+
+    def one(i: int) -> dict:
+        time.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
+        return stream(port, model, prompts[i], tokens, deadline)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, range(len(prompts)), timeout=deadline))
+    gauge.stop.set()
+    gauge.join()
+    preempted = _metric(_get(port, "/metrics")[1], "vllm:num_preemptions_total") - preempted
+    bad = [i for i, r in enumerate(got) if r["status"] != 200 or r["tokens"] != tokens or r["first"] is None]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(got)} requests did not complete whole, e.g. {got[bad[0]]}")
+    end = max(r["end"] for r in got)
+    running = [s[1] for s in gauge.samples if t0 <= s[0] <= end]
+    ttft = [r["first"] - r["submit"] for r in got]
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in got]
+    return {"wall_s": end - t0, "output_tokens_per_s": sum(r["tokens"] for r in got) / (end - t0),
+            "peak_running": max(running), "mean_running": statistics.fmean(running), "preemptions": preempted,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_p50_ms": 1e3 * pct(tpot, 50),
+            "tpot_p99_ms": 1e3 * pct(tpot, 99), "samples": len(running)}
+
+
+def server_args(max_model_len: int, max_num_seqs: int, blocks: int | None) -> list[str]:
+    args = ["--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len",
+            str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+    return args + (["--num-gpu-blocks-override", str(blocks)] if blocks else [])
+
+
+def warm(port: int, model: str) -> None:
+    stream(port, model, [100 + i for i in range(40)], 8, 120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-mib", type=float, default=48, help="KV bytes every engine gets, MiB (default 48)")
+    ap.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
+    ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[512, 1024], metavar=("LO", "HI"),
+                    help="prompt lengths, uniform in [LO, HI] (default 512 1024)")
+    ap.add_argument("--tokens", type=int, default=256, help="new tokens per request (default 256)")
+    add_window_options(ap, 1024)
+    ap.add_argument("--block", type=int, default=32, help="block size, stock's and qsinkkv's (default 32)")
+    ap.add_argument("--rate", type=float, default=0.15, help="steady mode: requests per second (default 0.15)")
+    ap.add_argument("--modes", nargs="+", default=["burst", "steady"], choices=["burst", "steady"])
+    ap.add_argument("--engines", nargs="+", default=["stock", "8", "4"], help="stock, 16, 8, 4 (default stock 8 4)")
+    ap.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16],
+                    help="stock's batch sizes with a pool that holds them (default 1 2 4 8 16; none: skip)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--poll", type=float, default=0.25, help="seconds between /metrics samples (default 0.25)")
+    ap.add_argument("--deadline", type=float, default=1800, help="seconds one run may take (default 1800)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the configuration and results here")
+    args = ap.parse_args(argv)
+    S, W = args.sink_tokens, recent_tokens(args)
+    args.recent_tokens, args.capacity = W, S + W
+    cfg = {"sink_tokens": S, "recent_tokens": W, "block_size": args.block, "value_group_size": args.block}
+    model_dir, shape = model_shape()
+    prompts = prompts_for(args.requests, *args.prompt_tokens, args.seed)
+    rng = random.Random(args.seed + 1)
+    steady, t = [], 0.0
+    for _ in prompts:
+        steady.append(t)
+        t += rng.expovariate(args.rate)
+    arrivals = {"burst": [0.0] * len(prompts), "steady": steady}
+    max_model_len = args.prompt_tokens[1] + args.tokens
+    budget = int(args.budget_mib * 2**20)
+    result = {"config": vars(args), "model": model_dir.name, "shape": shape, "runs": [], "sweep": []}
+    for name in args.engines:
+        bits = None if name == "stock" else int(name)
+        qcfg = None if bits is None else {**cfg, "bits": bits}
+        per_block = block_bytes(None if bits == 16 else bits, cfg, shape)
+        blocks = budget // per_block
+        label = "stock CPU_ATTN" if bits is None else f"qsinkkv bits={bits}"
+        with serving(server_args(max_model_len, args.max_num_seqs, blocks), qcfg, f"load-{name}") as s:
+            warm(s["port"], s["model"])
+            for mode in args.modes:
+                r = drive(s["port"], s["model"], prompts, args.tokens, arrivals[mode], args.poll, args.deadline)
+                result["runs"].append({"engine": label, "mode": mode, "blocks": blocks, "block_bytes": per_block, **r})
+                print(f"{label} {mode}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                save_json(args.json, result)
+    if args.sweep:
+        with serving(server_args(max_model_len, max(args.sweep), None), None, "load-sweep") as s:
+            warm(s["port"], s["model"])
+            for b in args.sweep:
+                r = drive(s["port"], s["model"], prompts[:b], args.tokens, [0.0] * b, args.poll, args.deadline)
+                result["sweep"].append({"batch": b, **r})
+                print(f"stock batch {b}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                save_json(args.json, result)
+    report(result, args, budget)
+
+
+def report(result: dict, args, budget: int) -> None:
+    L, Hkv, D = result["shape"]
+    print(f"vLLM OpenAI server, {args.requests} requests of {args.prompt_tokens[0]}-{args.prompt_tokens[1]}-token "
+          f"prompts (random ids, seed {args.seed}) x {args.tokens} new tokens, greedy, streamed; KV budget "
+          f"{budget / 2**20:g} MiB per engine; bf16, enforce_eager, max_num_seqs {args.max_num_seqs}; qsinkkv S="
+          f"{args.sink_tokens} W={args.recent_tokens} (capacity {args.capacity}), block {args.block}; "
+          f"{result['model']}: {L} layers, {Hkv} KV heads, head_dim {D}; steady: Poisson, {args.rate:g} requests/s")
+    table_header(["mode", "engine", "blocks", "peak running", "x stock", "mean running", "preemptions",
+                  "output tokens/s", "x stock", "TTFT p50 / p99 s", "TPOT p50 / p99 ms", "wall s"], left=2)
+    for mode in args.modes:
+        rows = [r for r in result["runs"] if r["mode"] == mode]
+        base = next((r for r in rows if r["engine"].startswith("stock")), None)
+        for r in rows:
+            x_peak = f"{r['peak_running'] / base['peak_running']:.2f}" if base else "-"
+            x_tps = f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}" if base else "-"
+            print(f"| {mode} | {r['engine']} | {r['blocks']} | {r['peak_running']:.0f} | {x_peak} | "
+                  f"{r['mean_running']:.1f} | {r['preemptions']:.0f} | {r['output_tokens_per_s']:.1f} | {x_tps} | "
+                  f"{r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} | {r['tpot_p50_ms']:.0f} / "
+                  f"{r['tpot_p99_ms']:.0f} | {r['wall_s']:.0f} |")
+    if result["sweep"]:
+        print("stock alone, a pool that holds every request (the first B prompts, all at once): what batching gives")
+        table_header(["batch", "output tokens/s", "x batch 1", "mean running", "TPOT p50 ms"])
+        one = result["sweep"][0]["output_tokens_per_s"]
+        for r in result["sweep"]:
+            print(f"| {r['batch']} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / one:.2f} | "
+                  f"{r['mean_running']:.1f} | {r['tpot_p50_ms']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

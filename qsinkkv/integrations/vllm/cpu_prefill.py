@@ -1,0 +1,86 @@
+"""A fresh prompt's prefill on vLLM's CPU build through the attention kernel stock vLLM runs there (CPU_ATTN's
+``cpu_attention_with_kv_cache``), in the model's dtype.
+
+The rows it serves are ``Ops.prefill_fresh``'s: each holds nothing yet and brings at most S + W tokens, so every
+query sees exactly its causal prefix (``layout.py``'s rule reduces to the causal mask) and nothing stored is read.
+Stock runs the same kernel over its pages; here the step's K/V are copied once into a small scratch cache of
+``BLOCK``-token blocks in CPU_ATTN's layout (``[blocks, Hkv, 2 * BLOCK, D]``: a block's keys, then its values, per
+head), one block run per row, the tails zero (the kernel reads a block whole: a stale NaN there would reach the
+row). The scratch and the kernel's scheduler metadata are made once per step (every layer of a step asks for the
+same rows) and reused by the step's layers. The qsinkkv pages are written by the step's write as for any row: this
+kernel only computes the rows' attention.
+
+Against ``prefill_fresh_packed`` (SDPA in float32, row by row) it is 2.3-2.8x faster on this repository's CPU
+(``benchmarks/vllm_profile.py``), and differs by the model dtype's rounding (bf16: the kernel's products, as
+stock's). A row's output does not depend on the other rows of its step (tested bit for bit)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from vllm.v1.attention.backends.cpu_attn import ops as cpu_ops  # (0.32: vllm._custom_ops; 0.34: vllm._cpu_ops)
+
+from ... import trace
+
+BLOCK = 32  # tokens per scratch block (CPU_ATTN's block size for its vector ISAs)
+
+
+class CpuAttnPrefill:
+    """``Ops.prefill_fresh`` on vLLM's CPU build: ``(q [N, H, D], k, v [N, Hkv, D], starts, lens, *, scale)``, row i's
+    tokens at ``[starts[i], starts[i] + lens[i])`` of the packed step -> ``[sum(lens), H, D]`` in q's dtype, the rows'
+    tokens in order. ``dtype``: the model's (the kernel's ISA is chosen for it once; another dtype is refused)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
+        self.isa = _get_attn_isa(dtype, BLOCK, head_dim)
+        self._step: tuple[tuple, _Scratch] | None = None  # the last step's rows and their scratch
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int], *,
+                 scale: float | None = None) -> Tensor:
+        trace.ran("prefill_fresh", "vllm_cpu")
+        if q.dtype != self.dtype or k.dtype != self.dtype or v.dtype != self.dtype:
+            raise ValueError(f"vLLM's CPU prefill kernel was set up for {self.dtype}, got q, k, v of "
+                             f"{q.dtype}, {k.dtype}, {v.dtype}")
+        if q.shape[1:] != (self.num_heads, self.head_dim) or k.shape[1:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"q must be [N, {self.num_heads}, {self.head_dim}] and k, v [N, {self.num_kv_heads}, "
+                             f"{self.head_dim}], got {tuple(q.shape)}, {tuple(k.shape)}")
+        key = (tuple(starts), tuple(lens), k.shape[0])
+        if self._step is None or self._step[0] != key:
+            self._step = (key, _Scratch(self, starts, lens, k.shape[0]))
+        s = self._step[1]
+        cpu_ops.cpu_attn_reshape_and_cache(k, v, s.key_cache, s.value_cache, s.slot_mapping, self.isa)
+        one_run = starts == [starts[0] + sum(lens[:i]) for i in range(len(lens))]
+        query = q.narrow(0, starts[0], s.tokens) if one_run else q.index_select(0, s.tokens_at)
+        out = q.new_empty((s.tokens, self.num_heads, self.head_dim))
+        cpu_ops.cpu_attention_with_kv_cache(query=query.contiguous(), key_cache=s.key_cache, value_cache=s.value_cache,
+                                        output=out, query_start_loc=s.query_start_loc, seq_lens=s.seq_lens,
+                                        scale=self.head_dim ** -0.5 if scale is None else float(scale), causal=True,
+                                        alibi_slopes=None, sliding_window=-1, block_table=s.block_table, softcap=0.0,
+                                        scheduler_metadata=s.metadata, s_aux=None)
+        return out
+
+
+class _Scratch:
+    """One step's rows laid out for the kernel: ``query_start_loc [B + 1]`` and ``seq_lens [B]`` int32 (each row's
+    query is its whole prompt), ``block_table [B, max blocks]`` int32 (row i's blocks: one run), ``slot_mapping
+    [N]`` int64 (a token of row i -> its slot; the step's other tokens -1: not copied), the zeroed cache, the kernel's
+    scheduler metadata, and ``tokens_at`` (the rows' tokens in the packed step, in order)."""
+
+    def __init__(self, prefill: CpuAttnPrefill, starts: list[int], lens: list[int], step_tokens: int) -> None:
+        blocks = [-(-t // BLOCK) for t in lens]
+        first = torch.tensor([0] + blocks[:-1]).cumsum(0)
+        self.tokens = sum(lens)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32)
+        self.query_start_loc = torch.cat((self.seq_lens.new_zeros(1), self.seq_lens.cumsum(0, dtype=torch.int32)))
+        self.block_table = (first.unsqueeze(1) + torch.arange(max(blocks))).to(torch.int32)
+        self.tokens_at = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, lens)])
+        self.slot_mapping = torch.full((step_tokens,), -1, dtype=torch.int64)
+        self.slot_mapping[self.tokens_at] = torch.cat([b * BLOCK + torch.arange(t)
+                                                       for b, t in zip(first.tolist(), lens)])
+        cache = torch.zeros(sum(blocks), prefill.num_kv_heads, 2 * BLOCK, prefill.head_dim, dtype=prefill.dtype)
+        self.key_cache, self.value_cache = cache.chunk(2, dim=2)
+        self.metadata = cpu_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(lens), num_heads=prefill.num_heads, num_kv_heads=prefill.num_kv_heads,
+            head_dim=prefill.head_dim, seq_lens=self.seq_lens, dtype=prefill.dtype,
+            query_start_loc=self.query_start_loc, causal=True, sliding_window_size=-1, isa=prefill.isa,
+            enable_kv_split=False)

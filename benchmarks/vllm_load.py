@@ -199,6 +199,11 @@ def main(argv=None) -> None:
     report(result, args, budget)
 
 
+def ratio(row: dict, base: dict | None, key: str) -> str:
+    """row[key] / base[key] as the table prints it ("-" without a stock row, or when its gauge saw nothing run)."""
+    return f"{row[key] / base[key]:.2f}" if base and base[key] else "-"
+
+
 def report(result: dict, args, budget: int) -> None:
     L, Hkv, D = result["shape"]
     print(f"vLLM OpenAI server, {args.requests} requests of {args.prompt_tokens[0]}-{args.prompt_tokens[1]}-token "
@@ -212,8 +217,7 @@ def report(result: dict, args, budget: int) -> None:
         rows = [r for r in result["runs"] if r["mode"] == mode]
         base = next((r for r in rows if r["engine"].startswith("stock")), None)
         for r in rows:
-            x_peak = f"{r['peak_running'] / base['peak_running']:.2f}" if base else "-"
-            x_tps = f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}" if base else "-"
+            x_peak, x_tps = (ratio(r, base, key) for key in ("peak_running", "output_tokens_per_s"))
             print(f"| {mode} | {r['engine']} | {r['blocks']} x {r['block_tokens']} | {r['peak_running']:.0f} | "
                   f"{x_peak} | "
                   f"{r['mean_running']:.1f} | {r['preemptions']:.0f} | {r['output_tokens_per_s']:.1f} | {x_tps} | "
@@ -222,9 +226,9 @@ def report(result: dict, args, budget: int) -> None:
     if result["sweep"]:
         print("stock alone, a pool that holds every request (the first B prompts, all at once): what batching gives")
         table_header(["batch", "output tokens/s", "x batch 1", "mean running", "TPOT p50 ms"])
-        one = result["sweep"][0]["output_tokens_per_s"]
+        one = result["sweep"][0]
         for r in result["sweep"]:
-            print(f"| {r['batch']} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / one:.2f} | "
+            print(f"| {r['batch']} | {r['output_tokens_per_s']:.1f} | {ratio(r, one, 'output_tokens_per_s')} | "
                   f"{r['mean_running']:.1f} | {r['tpot_p50_ms']:.0f} |")
 
 

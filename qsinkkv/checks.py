@@ -313,11 +313,12 @@ def _refused_rows(config: CacheConfig, seq_lens: Tensor, split: Split | None, x:
 
 
 def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None,
-              config: CacheConfig) -> dict[str, bool]:
+              config: CacheConfig, bound: float | None = None) -> dict[str, bool]:
     """Every token of ``k, v`` goes to the window: one reduction per tensor and one sync (one reduction over
     all of them when they share one bound: a small step's cost is its ops). |x| below ``window_bound`` means
-    finite once stored and quantizable in any block (NaN fails every comparison). Returns check name -> passed."""
-    bound = window_bound(config, k.dtype)
+    finite once stored and quantizable in any block (NaN fails every comparison). ``bound``: a tighter one to hold
+    k and v to instead (``packed_tokens_fit``'s first try). Returns check name -> passed."""
+    bound = window_bound(config, k.dtype) if bound is None else bound
     named = {"k": (k, bound), "v": (v, bound)}
     if q is not None:
         named["q"] = (q, math.inf)
@@ -347,12 +348,9 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
     if not k.shape[0] or min(busy) >= S:
         return peaks_fit(k, v, q, sink_logits, config) if k.numel() else {}
     # a prompt's step: one reduction per tensor first -- below both bounds, every token fits wherever it goes
-    whole = torch.stack([peak(x).double() for x in (k, v, q) if x is not None]).tolist()  # (exact: a max |x|)
-    if all(p < min(overflow_bound(config.sink_dtype, x.dtype), window_bound(config, x.dtype))
-           for p, x in zip(whole, (k, v))):
-        ok = {"k": True, "v": True} | ({"q": whole[2] < math.inf} if q is not None else {})
-        if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
-            ok["sink_logits"] = torch.amax(sink_logits).item() < math.inf
+    both = min(overflow_bound(config.sink_dtype, k.dtype), window_bound(config, k.dtype))
+    ok = peaks_fit(k, v, q, sink_logits, config, bound=both)
+    if all(ok.values()):
         return ok
     to_sinks = (token_positions(seq_lens, torch.tensor(lens)) < S).to(k.device)             # [N]
     named = {}
@@ -395,9 +393,8 @@ def packed_tokens_fit_in_step(config: CacheConfig, seq_lens: Tensor, split: Spli
 
 def peak(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
     """max |x| (over ``dim``, or all of x) in x's dtype: exact, NaN where any is NaN (PyTorch's max and aminmax
-    propagate it). Over all of x, ``max(-min, max)`` from one ``aminmax`` pass (no |x| temporary: 10-15x faster
-    than ``abs().amax()`` on a prefill's bf16 q on this CPU); over ``dim``, ``abs().amax(dim)`` (``aminmax`` over a
-    dim was slower; ``linalg.vector_norm(x, inf)`` 10-20x slower)."""
+    propagate it). Over all of x, ``max(-min, max)`` from one ``aminmax`` pass (no |x| temporary); over ``dim``,
+    ``abs().amax(dim)`` (``aminmax`` over a dim was slower; ``linalg.vector_norm(x, inf)`` 10-20x slower)."""
     if dim is None:
         lo, hi = torch.aminmax(x)
         return torch.maximum(-lo, hi)

@@ -10,9 +10,10 @@ row). The scratch and the kernel's scheduler metadata are made once per step (ev
 same rows) and reused by the step's layers. The qsinkkv pages are written by the step's write as for any row: this
 kernel only computes the rows' attention.
 
-Against ``prefill_fresh_packed`` (SDPA in float32, row by row) it is 2.3-2.8x faster on this repository's CPU
-(``benchmarks/vllm_profile.py``), and differs by the model dtype's rounding (bf16: the kernel's products, as
-stock's). A row's output does not depend on the other rows of its step (tested bit for bit)."""
+Against ``prefill_fresh_packed`` (SDPA in float32, row by row) it differs by the model dtype's rounding (bf16: the
+kernel's products, as stock's); with it the plugin's prefill step in ``benchmarks/vllm_profile.py`` went from
+14,864 to 7,065 us a layer call (int4; stock 4,157; ``benchmarks/results/cpu-2026-12-05b-vllm-load/``). A row's
+output does not depend on the other rows of its step (tested bit for bit)."""
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,7 @@ class CpuAttnPrefill:
             self._step = (key, _Scratch(self, starts, lens, k.shape[0]))
         s = self._step[1]
         cpu_ops.cpu_attn_reshape_and_cache(k, v, s.key_cache, s.value_cache, s.slot_mapping, self.isa)
-        one_run = starts == [starts[0] + sum(lens[:i]) for i in range(len(lens))]
-        query = q.narrow(0, starts[0], s.tokens) if one_run else q.index_select(0, s.tokens_at)
+        query = q.narrow(0, starts[0], s.tokens) if s.one_run else q.index_select(0, s.tokens_at)
         out = q.new_empty((s.tokens, self.num_heads, self.head_dim))
         cpu_ops.cpu_attention_with_kv_cache(query=query.contiguous(), key_cache=s.key_cache, value_cache=s.value_cache,
                                         output=out, query_start_loc=s.query_start_loc, seq_lens=s.seq_lens,
@@ -64,7 +64,8 @@ class _Scratch:
     """One step's rows laid out for the kernel: ``query_start_loc [B + 1]`` and ``seq_lens [B]`` int32 (each row's
     query is its whole prompt), ``block_table [B, max blocks]`` int32 (row i's blocks: one run), ``slot_mapping
     [N]`` int64 (a token of row i -> its slot; the step's other tokens -1: not copied), the zeroed cache, the kernel's
-    scheduler metadata, and ``tokens_at`` (the rows' tokens in the packed step, in order)."""
+    scheduler metadata, ``tokens_at`` (the rows' tokens in the packed step, in order) and ``one_run`` (they lie in
+    one run: q is read in place)."""
 
     def __init__(self, prefill: CpuAttnPrefill, starts: list[int], lens: list[int], step_tokens: int) -> None:
         blocks = [-(-t // BLOCK) for t in lens]
@@ -74,6 +75,7 @@ class _Scratch:
         self.query_start_loc = torch.cat((self.seq_lens.new_zeros(1), self.seq_lens.cumsum(0, dtype=torch.int32)))
         self.block_table = (first.unsqueeze(1) + torch.arange(max(blocks))).to(torch.int32)
         self.tokens_at = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, lens)])
+        self.one_run = starts == [starts[0] + sum(lens[:i]) for i in range(len(lens))]
         self.slot_mapping = torch.full((step_tokens,), -1, dtype=torch.int64)
         self.slot_mapping[self.tokens_at] = torch.cat([b * BLOCK + torch.arange(t)
                                                        for b, t in zip(first.tolist(), lens)])

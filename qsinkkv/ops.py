@@ -9,8 +9,8 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
                                                                  qsinkkv.kernels.decode_attention (Triton)
   prefill attention  prefill.prefill_attention_reference         prefill.prefill_attention_torch (SDPA per tile);
                                                                  qsinkkv.kernels.prefill_attention (Triton)
-  fresh prefill      (the same; rows that start fresh within     prefill.prefill_fresh_packed (SDPA, causal);
-                     S + W: the causal mask)                     integrations.vllm.cpu_prefill (vLLM's CPU kernel)
+  causal prefill     (the same; rows that hold and bring at most  prefill.prefill_causal_packed (SDPA, causal);
+                     S + W in all: the causal mask)              integrations.vllm.cpu_prefill (vLLM's CPU kernel)
   write              write.plan + write.commit: WRITER_TORCH      decode_c.WRITER_C (CPU, C; the same bits);
                      (complete_blocks, store_rows), with the     qsinkkv.kernels.write.WRITER_TRITON (Triton;
                      chosen quantizer                             the same bits)
@@ -36,7 +36,7 @@ import torch
 from . import decode_c, quant, write
 from .config import CacheConfig
 from .decode import decode_attention_reference, decode_attention_torch
-from .prefill import prefill_attention_reference, prefill_attention_torch, prefill_fresh_packed
+from .prefill import prefill_attention_reference, prefill_attention_torch, prefill_causal_packed
 from .rope import Rotary
 
 BACKENDS = ("auto", "torch", "c", "triton")
@@ -59,9 +59,9 @@ class Ops:
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
     writer: write.Writer = write.WRITER_TORCH  # how the write's blocks and rows are written
     engine_decode: type | None = None  # an engine's decode step in one piece (engine_pages.EngineStep), if any
-    # a packed step's prefill of rows that start fresh within S + W, on its tokens where they lie (the causal
-    # mask; prefill_attention_torch's own shortcut for such rows), if the backend's prefill has that shortcut
-    prefill_fresh: Callable | None = None
+    # a packed step's prefill of rows that hold and bring at most S + W tokens in all, on its tokens where they lie
+    # after what the rows held (the causal mask: prefill.prefill_causal_packed's signature), if the backend has one
+    prefill_causal: Callable | None = None
 
     def served_by(self) -> dict[str, str]:
         """op -> kernel, e.g. ``{"decode": "c", "prefill": "torch", ...}`` (a copy)."""
@@ -82,9 +82,9 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     check_decode_variant(decode_variant, backend, rotary, config, head_dim)
     if backend == "c":
         return Ops("c", dict(write_blocks="c", write_rows="c", decode="c", prefill="torch", engine_step="c",
-                             prefill_fresh="torch"), quant,
+                             prefill_causal="torch"), quant,
                    decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C, decode_c.EngineDecode,
-                   prefill_fresh_packed)
+                   prefill_causal_packed)
     if backend == "triton":
         from .kernels import api as kernels
         # (the write's blocks quantized inside its kernel, as the C writer's: no separate quantize op)
@@ -95,9 +95,9 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     # each key turns by its index
     if rotary is None:
         return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="torch",
-                                 prefill="torch", prefill_fresh="torch"), quant, decode_attention_torch,
+                                 prefill="torch", prefill_causal="torch"), quant, decode_attention_torch,
                    prefill_attention_torch,
-                   prefill_fresh=prefill_fresh_packed)
+                   prefill_causal=prefill_causal_packed)
     return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="reference",
                              prefill="reference"), quant, functools.partial(decode_attention_reference, rotary=rotary),
                functools.partial(prefill_attention_reference, rotary=rotary))

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import write
+from .prefill import causal_context
 from .storage import LayerStorage
 
 
@@ -124,13 +125,19 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
     ``[len(multi), H, T_multi, D]`` for a padded step, their tokens ``[sum(multi_lens), H, D]`` row by row for a
     packed one. ``undo_to`` (a caller that may roll the step back) gets the write's undo record as soon as the write
     is done, before the decode that may still raise; without it nothing is copied aside (an engine never rolls
-    back). A packed step whose longer rows all start fresh, each within S + W, takes ``ops.prefill_fresh`` on the
-    tokens where they lie."""
+    back). A packed step whose longer rows each hold and bring at most S + W tokens in all (every query sees every
+    position up to its own: the causal mask) takes ``ops.prefill_causal`` on the tokens where they lie, after what
+    the rows held (``prefill.causal_context``; none when each starts fresh)."""
     multi_out = one_out = None
     if split.multi:
-        if split.packed is not None and ops.prefill_fresh is not None and sink_logits is None and _fresh(split, read):
+        if split.packed is not None and ops.prefill_causal is not None and sink_logits is None \
+                and _causal(split, read):
             q, k, v = split.packed
-            multi_out = ops.prefill_fresh(q, k, v, split.qsl[split.multi].tolist(), split.multi_lens, scale=scale)
+            held = read.seq_lens[split.multi]
+            context = None if not int(held.max()) else causal_context(
+                read if len(split.multi) == read.batch_size else read.select_rows(split.multi))
+            multi_out = ops.prefill_causal(q, k, v, split.qsl[split.multi].tolist(), split.multi_lens, context,
+                                           scale=scale)
         else:
             every_row = len(split.multi) == read.batch_size  # (in order: reads the storage as it lies)
             multi_out = ops.prefill(*split.multi_chunk(), read if every_row else read.select_rows(split.multi),
@@ -153,11 +160,11 @@ def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, 
     return one_out, multi_out
 
 
-def _fresh(split: Split, read: LayerStorage) -> bool:
-    """Every longer row holds nothing yet and brings at most S + W tokens (its visible set is the causal mask)."""
+def _causal(split: Split, read: LayerStorage) -> bool:
+    """Every longer row holds and brings at most S + W tokens in all (its visible set is the causal mask)."""
     cfg = read.layout.config
-    return max(split.multi_lens) <= cfg.sink_tokens + cfg.recent_tokens and \
-        int(read.seq_lens[split.multi].max()) == 0
+    held = read.seq_lens[split.multi]
+    return int((held + torch.tensor(split.multi_lens)).max()) <= cfg.sink_tokens + cfg.recent_tokens
 
 
 def _tokens(split: Split) -> tuple:

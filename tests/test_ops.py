@@ -45,7 +45,7 @@ def _needs(lens, engine_decode):
 def _check_ran(ran, ops, lens, engine_decode=False):
     served = set(ops.served_by().items())
     assert set(ran) <= served, f"kernels outside {ops.backend}'s: {set(ran) - served}"
-    done = {"prefill" if op == "prefill_fresh" else op for op, _ in ran}  # (fresh rows: prefill's shortcut)
+    done = {"prefill" if op == "prefill_causal" else op for op, _ in ran}  # (fresh rows: prefill's shortcut)
     assert _needs(lens, engine_decode) <= done, (lens, ran)
 
 
@@ -126,14 +126,14 @@ def test_served_by_names_one_kernel_per_op():
     from qsinkkv.rope import Rotary
     torch_ops = select_ops("torch", cpu, D, None)
     assert torch_ops.served_by() == dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="torch",
-                                         prefill="torch", prefill_fresh="torch")
+                                         prefill="torch", prefill_causal="torch")
     assert select_ops("torch", cpu, D, Rotary.from_schedule(D)).served_by()["decode"] == "reference"
     assert select_ops("triton", cpu, D, None).served_by() == dict(
         write_blocks="triton", write_rows="triton", decode="triton", prefill="triton")
     if decode_c.available()[0]:
         assert select_ops("c", cpu, D, None).served_by() == dict(write_blocks="c", write_rows="c", decode="c",
                                                                  prefill="torch", engine_step="c",
-                                                                 prefill_fresh="torch")
+                                                                 prefill_causal="torch")
     served = torch_ops.served_by()
     served["decode"] = "c"
     assert torch_ops.served_by()["decode"] == "torch"

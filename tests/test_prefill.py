@@ -77,17 +77,17 @@ def test_nonfinite_value_in_padding_does_not_poison_the_rows_prefill(value):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fresh_prefill_on_packed_tokens(dtype):
-    """``prefill_fresh_packed`` (a packed step's rows that start fresh within S + W, read where they lie): row by
+    """``prefill_causal_packed`` (a packed step's rows that start fresh within S + W, read where they lie): row by
     row the bits of the padded prefill's own fresh path, and equal to the float64 oracle of the sink + window
     mask (S + W reaches past every chunk: the causal mask)."""
     from qsinkkv.layout import WindowLayout
-    from qsinkkv.prefill import prefill_attention_torch, prefill_fresh_packed
+    from qsinkkv.prefill import prefill_attention_torch, prefill_causal_packed
     from qsinkkv.storage import LayerStorage
     cfg = CacheConfig(sink_tokens=2, recent_tokens=14, bits=16)
     g = torch.Generator().manual_seed(3)
     lens, starts = [5, 16, 1, 9], [3, 8, 24, 25]                      # in a packed step of 34 tokens, any order
     q, k, v = (torch.randn(34, h, D, generator=g).to(dtype) for h in (HKV * G, HKV, HKV))
-    out = prefill_fresh_packed(q, k, v, starts, lens, scale=0.4)
+    out = prefill_causal_packed(q, k, v, starts, lens, scale=0.4)
     assert out.shape == (sum(lens), HKV * G, D) and out.dtype == dtype
     layer = LayerStorage.allocate(WindowLayout(cfg), 1, HKV, D, torch.device("cpu"))
     at = 0
@@ -98,4 +98,41 @@ def test_fresh_prefill_on_packed_tokens(dtype):
         ref = attention_oracle(row[0], lambda i, row=row: (row[1].double(), row[2].double()), 2, 14, range(t), None,
                                scale=0.4)
         assert rel(out[at:at + t].transpose(0, 1).unsqueeze(0), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+        at += t
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_causal_prefill_after_what_the_rows_held(bits):
+    """``prefill_causal_packed`` over rows that already hold tokens (a prompt's later chunk within S + W: the causal
+    mask over what they held, read back as the reference reads it, and their chunk): equal to
+    ``prefill_attention_reference`` over the same storage, and to itself row by row alone; ``causal_context`` gives
+    every row its positions ``0 .. held - 1`` in order."""
+    from qsinkkv import quant
+    from qsinkkv.layout import WindowLayout
+    from qsinkkv.prefill import causal_context, prefill_attention_reference, prefill_causal_packed
+    from qsinkkv.storage import LayerStorage, gather
+    from qsinkkv.write import append
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=29, bits=bits, block_size=4, value_group_size=8,
+                      sink_dtype=torch.float32, window_dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    held, lens = [0, 6, 13, 21], [9, 12, 19, 11]                      # held + lens <= S + W = 32
+    layer = LayerStorage.allocate(WindowLayout(cfg), 4, HKV, D, torch.device("cpu"))
+    k0, v0 = (torch.randn(4, HKV, max(held), D, generator=g) for _ in range(2))
+    append(layer, k0, v0, held, quant)
+    context = causal_context(layer)
+    stored_k, _, pos = gather(layer, torch.float32)
+    for b, n in enumerate(held):  # position order: slot of position p holds what gather puts there
+        for p in range(n):
+            assert torch.equal(context.k[b, :, p], stored_k[b, :, int((pos[b] == p).nonzero())])
+    T = max(lens)
+    q, k, v = (torch.randn(4, h, T, D, generator=g) for h in (HKV * G, HKV, HKV))
+    expect = prefill_attention_reference(q, k, v, layer, torch.tensor(lens), scale=0.4)
+    starts = [b * T for b in range(4)]                                # the padded chunk as packed tokens
+    packed = [x.transpose(1, 2).reshape(4 * T, x.shape[1], D) for x in (q, k, v)]
+    out = prefill_causal_packed(*packed, starts, lens, context, scale=0.4)
+    at = 0
+    for b, t in enumerate(lens):
+        assert rel(out[at:at + t], expect[b, :, :t].transpose(0, 1)) < 1e-5, b
+        alone = prefill_causal_packed(*packed, [starts[b]], [t], causal_context(layer.select_rows([b])), scale=0.4)
+        assert torch.equal(alone, out[at:at + t]), b
         at += t

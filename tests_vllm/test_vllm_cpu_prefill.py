@@ -1,5 +1,6 @@
-"""``cpu_prefill.CpuAttnPrefill``: a packed step's fresh rows through vLLM's own CPU attention kernel, against a
-float64 dense causal oracle, a row alone against the same row in a step, and a step after a different one."""
+"""``cpu_prefill.CpuAttnPrefill``: a packed step's causal rows (fresh, or after what they held) through vLLM's own CPU
+attention kernel, against a float64 dense causal oracle, a row alone against the same row in a step, and a step
+after a different one."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from qsinkkv import trace
 from qsinkkv.integrations.vllm.cpu_prefill import BLOCK, CpuAttnPrefill
+from qsinkkv.prefill import Context
 
 H, Hkv, D = 6, 2, 64
 LENS = [40, 1, 70, 1, BLOCK, 1, 3]  # fresh rows beside one-token rows (a decode's), a row of exactly one block
@@ -38,7 +40,7 @@ def test_fresh_rows_equal_the_float64_oracle_and_alone_equals_in_a_step(dtype):
     rows_at, rows_len = [starts[r] for r in FRESH], [LENS[r] for r in FRESH]
     with trace.recording() as ran:
         out = prefill(q, k, v, rows_at, rows_len, scale=0.3)
-    assert ran == [("prefill_fresh", "vllm_cpu")]
+    assert ran == [("prefill_causal", "vllm_cpu")]
     assert out.dtype == dtype and out.shape == (sum(rows_len), H, D)
     at = 0
     for s, t in zip(rows_at, rows_len):
@@ -59,6 +61,36 @@ def test_a_step_after_another_reads_only_its_own_tokens():
         lens = [t for t in torch.tensor(starts).diff().tolist()]
         got = prefill(q, k, v, starts[:-1], lens)
         assert torch.equal(got, CpuAttnPrefill(H, Hkv, D, torch.float32)(q, k, v, starts[:-1], lens, scale=D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_after_what_they_held_equal_the_float64_oracle_and_alone_equals_in_a_step(dtype):
+    """Rows that held tokens (a prompt's later chunk within the capacity: ``Context``, float32 as the reference reads
+    them) beside fresh ones: each query sees what its row held and its chunk up to itself (the float64 oracle over
+    the held tokens rounded to the model's dtype, as the kernel reads them); a row alone gives the bits it gives in
+    the step."""
+    q, k, v, starts = _step(dtype)
+    held = [37, 0, 5, BLOCK]                          # FRESH's rows: past a block's end, fresh, a few, a block's worth
+    g = torch.Generator().manual_seed(7)
+    C = max(held)
+    ctx_k, ctx_v = (torch.randn(len(held), Hkv, C, D, generator=g) for _ in range(2))
+    context = Context(ctx_k, ctx_v, held)
+    prefill = CpuAttnPrefill(H, Hkv, D, dtype)
+    rows_at, rows_len = [starts[r] for r in FRESH], [LENS[r] for r in FRESH]
+    with trace.recording() as ran:
+        out = prefill(q, k, v, rows_at, rows_len, context, scale=0.3)
+    assert ran == [("prefill_causal", "vllm_cpu")]
+    at = 0
+    for i, (s, t) in enumerate(zip(rows_at, rows_len)):
+        n = held[i]
+        keys = [torch.cat((c[i, :, :n].transpose(0, 1).to(dtype), x[s:s + t])) for c, x in ((ctx_k, k), (ctx_v, v))]
+        whole = [torch.cat((torch.zeros(n, H, D, dtype=dtype), q[s:s + t]))] + keys   # queries at n .. n + t - 1
+        expect = _oracle(*whole, 0, n + t, 0.3)[n:]
+        assert (out[at:at + t].double() - expect).abs().max() < TOL[dtype], (s, t, n)
+        alone = CpuAttnPrefill(H, Hkv, D, dtype)(q, k, v, [s], [t], Context(ctx_k[i:i + 1], ctx_v[i:i + 1], [n]),
+                                                 scale=0.3)
+        assert torch.equal(alone, out[at:at + t]), f"row at {s} ({t} tokens after {n}): alone != in the step"
+        at += t
 
 
 def test_refuses_another_dtype_or_shape_by_name():

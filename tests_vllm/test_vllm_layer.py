@@ -21,7 +21,7 @@ from qsinkkv.integrations.vllm import state
 from qsinkkv.integrations.vllm.backend import QSinkKVBackend
 from qsinkkv.layout import WindowLayout
 from qsinkkv.paged import PagedCache
-from qsinkkv.prefill import prefill_fresh_packed
+from qsinkkv.prefill import prefill_causal_packed
 
 Hkv, G, D = 2, 3, 32
 H = Hkv * G
@@ -99,9 +99,10 @@ class Layer:
 
 
 def _schedule():
-    """(rows, lens) per step: prompts, decodes past the capacity, a chunk beside decoding rows, a late prompt."""
-    steps = [([0, 1], [20, 7])]
-    steps += [([0, 1], [1, 1])] * 30
+    """(rows, lens) per step: prompts, a prompt's later chunk within the capacity beside a decode, decodes past the
+    capacity, a chunk beside decoding rows, a late prompt."""
+    steps = [([0, 1], [20, 7]), ([1, 0], [1, 6])]
+    steps += [([0, 1], [1, 1])] * 29
     steps += [([1, 0, 2], [1, 9, 13])]            # a chunk past the capacity beside a decode and a new prompt
     steps += [([0, 1, 2], [1, 1, 1])] * 12
     return steps
@@ -157,14 +158,15 @@ def test_a_quantized_layer_equals_paged_cache(monkeypatch, bits, learned_sinks, 
                       sink_dtype=torch.float32, window_dtype=torch.float32, scale_dtype=torch.float32)
     sinks = _sinks(torch.Generator().manual_seed(bits)) if learned_sinks else None
     layer = Layer(cfg, monkeypatch, sinks)
-    assert layer.impl.ops.served_by()["prefill_fresh"] == "vllm_cpu"
+    assert layer.impl.ops.served_by()["prefill_causal"] == "vllm_cpu"
     if fresh == "torch":
-        layer.impl.ops = replace(layer.impl.ops, prefill_fresh=prefill_fresh_packed,
-                                 kernels={**layer.impl.ops.kernels, "prefill_fresh": "torch"})
+        layer.impl.ops = replace(layer.impl.ops, prefill_causal=prefill_causal_packed,
+                                 kernels={**layer.impl.ops.kernels, "prefill_causal": "torch"})
     ran = _drive(layer, sinks, tol=0 if fresh == "torch" else 1e-5)
     assert ("engine_step", "c") in ran and ("prefill", "torch") in ran
-    assert (("prefill_fresh", fresh) in ran) != learned_sinks, ran
-    assert {kernel for op, kernel in ran if op == "prefill_fresh"} <= {fresh}, ran
+    # the prompts, then the chunk that continues one within the capacity (after what it held); never past it
+    assert sum(op == "prefill_causal" for op, _ in ran) == (0 if learned_sinks else 2), ran
+    assert {kernel for op, kernel in ran if op == "prefill_causal"} <= {fresh}, ran
 
 
 @pytest.mark.parametrize("decode", ["c", "torch", "triton"])
@@ -200,6 +202,18 @@ def test_nan_sink_logits_are_refused_with_every_page_as_it_was(monkeypatch, bits
         layer.step([0], [1], torch.randn(1, H, D, generator=g), torch.randn(1, Hkv, D, generator=g),
                    torch.randn(1, Hkv, D, generator=g))
     assert torch.equal(layer.kv_cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_the_pools_are_made_again_for_another_tensor_at_the_same_address(monkeypatch):
+    """The impl keeps its pools' views between forwards; a kv_cache at the same address with another shape (vLLM
+    re-viewing its buffer) gets views of its own, never the old ones."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=8, value_group_size=16)
+    layer = Layer(cfg, monkeypatch, None)
+    pools = layer.impl._pools(layer.kv_cache)
+    assert layer.impl._pools(layer.kv_cache) is pools
+    fewer = layer.kv_cache[:NUM_PAGES // 2]  # (same data_ptr)
+    assert fewer.data_ptr() == layer.kv_cache.data_ptr()
+    assert layer.impl._pools(fewer).num_pages == NUM_PAGES // 2 != pools.num_pages
 
 
 def test_sinks_of_another_shape_are_refused_by_name(monkeypatch):

@@ -145,10 +145,10 @@ def _replay_into_paged_cache(steps: list, cfg) -> int:
     layout = WindowLayout(cfg)
     cache = PagedCache(cfg, 1, Hkv, D, max_seqs=32, float_blocks=32 * layout.float_slots,
                        quant_blocks=32 * layout.quant_slots, dtype=torch.float32, backend=steps[0]["backend"])
-    assert steps[0]["prefill_fresh"] == "vllm_cpu", steps[0]["prefill_fresh"]
+    assert steps[0]["prefill_causal"] == "vllm_cpu", steps[0]["prefill_causal"]
     H = steps[0]["out"].shape[1]
-    cache.ops = replace(cache.ops, prefill_fresh=CpuAttnPrefill(H, Hkv, D, torch.float32),
-                        kernels={**cache.ops.kernels, "prefill_fresh": "vllm_cpu"})
+    cache.ops = replace(cache.ops, prefill_causal=CpuAttnPrefill(H, Hkv, D, torch.float32),
+                        kernels={**cache.ops.kernels, "prefill_causal": "vllm_cpu"})
     seq_of_page = {}
     for i, step in enumerate(steps):
         held, pages, qsl = step["held"], step["sink_pages"].tolist(), step["qsl"]

@@ -227,34 +227,34 @@ class QSinkKVCache(Cache):
 
     def _portable_update(self, inner, k, v, layer_idx, forward_kwargs):
         B, _, T, _ = k.shape
-        n0 = inner.get_seq_length(layer_idx)
+        held = inner.get_seq_length(layer_idx)
         if self.config.positions != "absolute":
             raise ValueError("positions='cache_index' needs attn_implementation='qsinkkv' "
                              "(model.set_attn_implementation('qsinkkv'))")
         if B != 1:
             raise ValueError(f"the portable mode takes batch size 1 (got {B}): the model's own mask cannot "
                              "show sinks + window per sequence; use attn_implementation='qsinkkv'")
-        if T > 1 and n0 + T > self.config.capacity:
-            raise ValueError(f"a chunk of {T} tokens after {n0} exceeds the capacity {self.config.capacity} in the "
+        if T > 1 and held + T > self.config.capacity:
+            raise ValueError(f"a chunk of {T} tokens after {held} exceeds the capacity {self.config.capacity} in the "
                              "portable mode (the model's mask cannot express sinks + window); use "
                              "attn_implementation='qsinkkv', or feed the prompt in pieces that fit")
         if layer_idx == 0:
-            self._check_portable_padding(n0, T, forward_kwargs.get("position_ids"))
+            self._check_portable_padding(held, T, forward_kwargs.get("position_ids"))
         inner.append(layer_idx, k, v)
         self._stored(layer_idx, T)
         keys, values, _ = gather(inner.layers[layer_idx], k.dtype)
-        slots = inner.layout.visible_slots(n0 + T)[0].to(keys.device)
+        slots = inner.layout.visible_slots(held + T)[0].to(keys.device)
         return keys[:, :, slots], values[:, :, slots]
 
-    def _check_portable_padding(self, n0: int, T: int, pos: Tensor | None) -> None:
+    def _check_portable_padding(self, held: int, T: int, pos: Tensor | None) -> None:
         """The model's own mask cannot keep a padded row's pads out of the sinks and the window: refuse any
         sign of padding, and a step past the capacity when padding cannot be ruled out."""
         # generate() numbers a left-padded row from its first real token
         if pos is not None and not torch.equal(pos.reshape(-1, T)[:1],
-                                               torch.arange(n0, n0 + T, device=pos.device).unsqueeze(0)):
-            raise ValueError(f"the portable mode needs position_ids {n0}..{n0 + T - 1} (the cache's positions), got "
-                             f"{pos.reshape(-1)[:8].tolist()}...: a left-padded prompt (its pads would become sinks); "
-                             "drop the padding, or use attn_implementation='qsinkkv'")
+                                               torch.arange(held, held + T, device=pos.device).unsqueeze(0)):
+            raise ValueError(f"the portable mode needs position_ids {held}..{held + T - 1} (the cache's positions), "
+                             f"got {pos.reshape(-1)[:8].tolist()}...: a left-padded prompt (its pads would become "
+                             "sinks); drop the padding, or use attn_implementation='qsinkkv'")
         seen = self._forward_mask
         if seen is not None and seen[0] == self.width:  # the watched model's forward for this very step
             mask = seen[1]
@@ -262,7 +262,7 @@ class QSinkKVCache(Cache):
                 raise ValueError("the portable mode takes no padding, and this forward's attention_mask has pads "
                                  "(a left-padded prompt: its pads would become sinks once the stream passes the "
                                  "capacity); drop the padding, or use attn_implementation='qsinkkv'")
-        elif n0 + T > self.config.capacity:
+        elif held + T > self.config.capacity:
             raise ValueError(f"the portable mode goes past the capacity {self.config.capacity} only when it can rule "
                              "out padding (pads would become sinks), and this cache cannot see the forward's "
                              "attention_mask: build it with the model itself, QSinkKVCache(config, model), or use "

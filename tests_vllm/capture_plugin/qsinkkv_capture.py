@@ -26,7 +26,7 @@ def record_first_layer(sink: Callable[[dict], None]) -> None:
                 first.append(layer.layer_name)
             if layer.layer_name == first[0]:
                 n = attn_metadata.num_actual_tokens
-                sink({"backend": self.ops.backend, "prefill_fresh": self.ops.served_by().get("prefill_fresh"),
+                sink({"backend": self.ops.backend, "prefill_causal": self.ops.served_by().get("prefill_causal"),
                       "q": query[:n].clone(), "k": key[:n].clone(), "v": value[:n].clone(),
                       "qsl": attn_metadata.step.query_start_loc.clone(), "held": attn_metadata.step.held.clone(),
                       "sink_pages": attn_metadata.step.tables[0].clone(),

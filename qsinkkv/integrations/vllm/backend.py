@@ -139,7 +139,7 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
         ``seq_lens_cpu_upper_bound``); the blocks gathered where vLLM's block table lives and the host plan moved
         there (host-to-device); nothing is copied back to the host (no device sync per step on a GPU)."""
         common = common_attn_metadata
-        S, W, bs, ns, nw = self.S, self.W, self.bs, self.sink_blocks, self.window_blocks
+        S, W, bs, sink_blocks, window_blocks = self.S, self.W, self.bs, self.sink_blocks, self.window_blocks
         B = common.num_reqs
         qsl = common.query_start_loc_cpu[:B + 1].long()
         seq_lens = host_seq_lens(common)
@@ -147,20 +147,20 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
         N = int(qsl[-1]) if B else 0                     # the step's real tokens (past them: vLLM's padding)
         table = common.block_table_tensor[:B]            # [B, blocks] on vLLM's device
         on = table.device
-        start = seq_lens - qlen                          # position of each row's first new token
+        held = seq_lens - qlen                           # tokens each row held before the step
         is_sink = None
-        if S and B and int(start.min()) < S:
+        if S and B and int(held.min()) < S:
             is_sink = torch.zeros(common.num_actual_tokens, dtype=torch.bool)   # (vLLM's padding: none)
-            is_sink[:N] = token_positions(start, qlen) < S
+            is_sink[:N] = token_positions(held, qlen) < S
             is_sink = is_sink.to(on, non_blocking=True)
 
         dec = (qlen == 1).nonzero().squeeze(1)
         dec_lens = seq_lens[dec]
         last = (dec_lens - 1) // bs
-        window = last.unsqueeze(1) - nw + 1 + torch.arange(nw)                     # [Bd, nw] logical blocks
-        logical = torch.cat((torch.arange(ns).expand(dec.shape[0], ns), window), dim=1)
+        window = last.unsqueeze(1) - window_blocks + 1 + torch.arange(window_blocks)  # [Bd, window_blocks] logical
+        logical = torch.cat((torch.arange(sink_blocks).expand(dec.shape[0], sink_blocks), window), dim=1)
         dec_blocks = table[dec.to(on)].gather(1, logical.clamp(min=0).to(on)).long()
-        valid = torch.cat((torch.ones(dec.shape[0], ns, dtype=torch.bool), window >= ns), dim=1)
+        valid = torch.cat((torch.ones(dec.shape[0], sink_blocks, dtype=torch.bool), window >= sink_blocks), dim=1)
         pos = (logical.unsqueeze(2) * bs + self.offsets).flatten(1)                # [Bd, nb * bs]
         pos = torch.where(valid.repeat_interleave(bs, dim=1) & (pos < dec_lens.unsqueeze(1)), pos, -1)
         seen = visible_mask((dec_lens - 1).unsqueeze(1), pos, S, W)               # [Bd, 1, nb * bs]
@@ -168,9 +168,9 @@ class QSinkKVMetadataBuilder(AttentionMetadataBuilder[QSinkKVMetadata]):
 
         prefills = []
         for b in (qlen > 1).nonzero().squeeze(1).tolist():
-            p0, p1 = int(start[b]), int(seq_lens[b])
-            lo = max(ns, max(p0 - W + 1, 0) // bs)
-            logical = torch.cat((torch.arange(ns), torch.arange(lo, (p1 - 1) // bs + 1)))
+            p0, p1 = int(held[b]), int(seq_lens[b])
+            lo = max(sink_blocks, max(p0 - W + 1, 0) // bs)
+            logical = torch.cat((torch.arange(sink_blocks), torch.arange(lo, (p1 - 1) // bs + 1)))
             kpos = (logical.unsqueeze(1) * bs + self.offsets).flatten()
             kpos = torch.where(kpos < p1, kpos, -1)
             mask = visible_mask(torch.arange(p0, p1), kpos, S, W)                  # [T, nb * bs]

@@ -95,9 +95,9 @@ class QuantImpl(AttentionImpl):
         self.ops = select_ops(backend, device, head_size, None, dtype=dtype)
         if device.type == "cpu":  # a fresh prompt through the kernel stock vLLM runs on the CPU, in the model's dtype
             from .cpu_prefill import CpuAttnPrefill  # (vLLM's CPU attention module: imported on the CPU only)
-            self.ops = replace(self.ops, prefill_fresh=CpuAttnPrefill(num_heads, num_kv_heads, head_size, dtype),
-                               kernels={**self.ops.kernels, "prefill_fresh": "vllm_cpu"})
-        self._layer = None  # (kv_cache data_ptr, the LayerPools over it)
+            self.ops = replace(self.ops, prefill_causal=CpuAttnPrefill(num_heads, num_kv_heads, head_size, dtype),
+                               kernels={**self.ops.kernels, "prefill_causal": "vllm_cpu"})
+        self._layer = None  # (the kv_cache tensor's place and shape, the LayerPools over it)
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                 attn_metadata: QuantMetadata | None, output: Tensor, output_scale: Tensor | None = None,
@@ -117,9 +117,12 @@ class QuantImpl(AttentionImpl):
         return output
 
     def _pools(self, kv_cache: Tensor) -> LayerPools:
-        """This layer's pools: over its pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8), made once."""
-        if self._layer is None or self._layer[0] != kv_cache.data_ptr():
-            self._layer = (kv_cache.data_ptr(), LayerPools(self.pages.views(kv_cache[:, 0, 0])))
+        """This layer's pools: over its pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8), made once, again
+        only if vLLM hands the layer another tensor (another address, shape, strides or dtype: the views are of the
+        one they were made over)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype)
+        if self._layer is None or self._layer[0] != key:
+            self._layer = (key, LayerPools(self.pages.views(kv_cache[:, 0, 0])))
         return self._layer[1]
 
 

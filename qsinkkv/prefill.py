@@ -93,9 +93,8 @@ def prefill_attention_torch(q: Tensor, k: Tensor, v: Tensor, layer: LayerStorage
         if not int(held.max()):  # fresh rows: their own tokens, the group at once
             return _causal(q, k, v, scale, work)
         context = causal_context(layer if len(rows) == layer.batch_size else layer.select_rows(rows))
-        return torch.cat([_causal(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale, work,
-                                  [x[i:i + 1, :, :n] for x in (context.k, context.v)] if n else None)
-                          for i, n in enumerate(context.held)])
+        return torch.cat([_causal(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale, work, context.row(i))
+                          for i in range(len(rows))])
     return _by_key_set(q, k, v, layer, lengths, attend, causal=None if sink_logits is not None else causal)
 
 
@@ -107,6 +106,11 @@ class Context:
     k: Tensor
     v: Tensor
     held: list[int]
+
+    def row(self, i: int) -> list[Tensor] | None:
+        """Row i's held keys and values ``[1, Hkv, held[i], D]`` (``_causal``'s ``stored``), or None: it held none."""
+        n = self.held[i]
+        return [x[i:i + 1, :, :n] for x in (self.k, self.v)] if n else None
 
 
 def causal_context(rows: LayerStorage) -> Context:
@@ -133,8 +137,7 @@ def prefill_causal_packed(q: Tensor, k: Tensor, v: Tensor, starts: list[int], le
     at = 0
     for i, (s, t) in enumerate(zip(starts, lens)):
         rows = [y[s:s + t].transpose(0, 1).unsqueeze(0) for y in (q, k, v)]  # [1, heads, t, D] views
-        held = context.held[i] if context is not None else 0
-        stored = [x[i:i + 1, :, :held] for x in (context.k, context.v)] if held else None
+        stored = context.row(i) if context is not None else None
         out[at:at + t] = _causal(*rows, scale, work, stored)[0].transpose(0, 1)
         at += t
     return out

@@ -103,7 +103,7 @@ def compile_prefill(head_dim: int, dtype: str, block_m: int, block_n: int, rope:
     import triton.language as tl
     mod = importlib.import_module("qsinkkv.kernels.prefill_attention")
     f = "*" + dtype
-    sig = dict(q_ptr=f, k_ptr=f, v_ptr=f, sk_ptr=f, sv_ptr=f, spos_ptr="*i64", n0_ptr="*i64", len_ptr="*i64",
+    sig = dict(q_ptr=f, k_ptr=f, v_ptr=f, sk_ptr=f, sv_ptr=f, spos_ptr="*i64", held_ptr="*i64", len_ptr="*i64",
                sink_logits_ptr="*fp32", inv_freq_ptr="*fp32", out_ptr=f)
     strides = "sq_b sq_h sq_t sk_b sk_h sk_t sv_b sv_h sv_t ss_b ss_h ss_n sp_b so_b so_h so_t".split()
     sig.update({n: "i32" for n in strides + "T H G N_STORED S W".split()}, qk_scale="fp32")

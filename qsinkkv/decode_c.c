@@ -226,6 +226,22 @@ static inline v8 hsum8(const vr *a) {
 }
 #endif
 
+/* Chunk v (LANES channels) of one row of int8 codes as floats, in registers: the floats `unpack` writes, without
+ * the trip through memory (int8 rows only: for int4 it measured no faster, as each byte's two nibbles belong to
+ * chunks far apart in the sums' order: benchmarks/decode_c_versions.py). Needs D a multiple of
+ * LANES (`codes_in_registers`). */
+static inline __attribute__((always_inline)) vr code_chunk(const uint8_t *row, int64_t v) {
+#if LANES == 16
+    return (vr)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + v * LANES))));
+#elif defined(__AVX2__)
+    return (vr)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + v * LANES))));
+#else
+    vr out;
+    for (int d = 0; d < LANES; d++) out[d] = (float)row[v * LANES + d];
+    return out;
+#endif
+}
+
 /* How many query heads one pass keeps in registers: a pass over eight rows holds 8 x SCORE_HEADS score sums, a
  * pass over a tile of VALUE_TILE chunks VALUE_HEADS x VALUE_TILE value sums (AVX-512 has 32 vector registers,
  * AVX2 16). Each row vector is loaded once per pass and used by every head of it: with one head per pass the
@@ -244,13 +260,13 @@ static inline v8 hsum8(const vr *a) {
  * chains (not one chain of Vn multiply-adds per row, whose latency held the loop), reduced eight at a time */
 static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, const float *restrict rows, int64_t Dp,
                                                             float (*restrict qx)[MAX_D], const float *qz, float *sc,
-                                                            int64_t Ns, int64_t Vn) {
+                                                            int64_t Ns, int64_t Vn, const uint8_t *const *code_rows) {
     vr p[SCORE_HEADS][8];
     for (int64_t g = 0; g < NG; g++)
         for (int j = 0; j < 8; j++) p[g][j] = (vr){0};
     for (int64_t v = 0; v < Vn; v++)
-        for (int j = 0; j < 8; j++) {
-            const vr x = VR(rows + j * Dp)[v];
+        for (int j = 0; j < 8; j++) {  /* rows[j], or with code_rows the int8 codes of row j (code_chunk) */
+            const vr x = code_rows ? code_chunk(code_rows[j], v) : VR(rows + j * Dp)[v];
             for (int64_t g = 0; g < NG; g++) p[g][j] += VR(qx[g])[v] * x;
         }
     for (int64_t g = 0; g < NG; g++) {
@@ -263,29 +279,37 @@ static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, co
 /* sc[g * Ns + i] = qx[g] . rows[i] (+ qz[g]) for the n packed rows (Dp floats apart): eight rows at a time
  * where the machine has AVX (their sums reduced together), the rest one by one. Each sum runs over the channels
  * in order whichever way it goes, and which rows go which way depends on n alone, so a sequence's scores do not
- * depend on its batch */
-static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t Dp, float (*qx)[MAX_D],
-                              const float *qz, float *sc, int64_t Ns, int64_t Vn) {
+ * depend on its batch. With `code_rows` (n rows of int8 codes, `codes_in_registers`) the rows are the codes, widened
+ * in registers; a row left over from the eights is unpacked into rows[i] first (the same floats). */
+static inline void score_rows(int64_t ng, int64_t n, float *rows, int64_t Dp, float (*qx)[MAX_D],
+                              const float *qz, float *sc, int64_t Ns, int64_t Vn,
+                              const uint8_t *const *code_rows, int64_t D) {
     int64_t i = 0;
 #ifdef __AVX__
     for (; i + 8 <= n; i += 8)
         for (int64_t g = 0; g < ng; g += SCORE_HEADS) {
             const float *r = rows + i * Dp, *z = qz ? qz + g : NULL;
+            const uint8_t *const *cr = code_rows ? code_rows + i : NULL;
             float *out = sc + g * Ns + i;
             switch (ng - g < SCORE_HEADS ? ng - g : SCORE_HEADS) {
-            case 1: score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn); break;
+            case 1: cr ? score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, cr)
+                       : score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, NULL); break;
 #if SCORE_HEADS == 3
-            case 2: score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn); break;
-            case 3: score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn); break;
+            case 2: cr ? score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn, cr)
+                       : score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn, NULL); break;
+            case 3: cr ? score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn, cr)
+                       : score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn, NULL); break;
 #endif
             }
         }
 #endif
-    for (; i < n; i++)
+    for (; i < n; i++) {
+        if (code_rows) unpack(code_rows[i], 8, D, rows + i * Dp);
         for (int64_t g = 0; g < ng; g++) {
             const float s = dot(qx[g], rows + i * Dp, Vn);
             sc[g * Ns + i] = qz ? s + qz[g] : s;
         }
+    }
 }
 
 /* acc[g][chunks c0 .. c0 + CT) += sum_i w[g * R + i] * x_i over the n packed rows, for NG heads; x_i = rows[i], or
@@ -295,7 +319,7 @@ static inline void score_rows(int64_t ng, int64_t n, const float *rows, int64_t 
 static inline __attribute__((always_inline)) void accumulate_tile(
         const int64_t NG, const int64_t CT, int64_t c0, int64_t n, const float *restrict rows, int64_t Dp,
         const float *restrict w, int64_t R, const float *restrict scale, const float *restrict zero, int64_t K,
-        int64_t cpk, float (*restrict acc)[MAX_D]) {
+        int64_t cpk, float (*restrict acc)[MAX_D], const uint8_t *const *code_rows) {
     vr r[VALUE_HEADS][VALUE_TILE];
     int64_t k[VALUE_TILE];
     for (int64_t t = 0; t < CT; t++) {
@@ -306,7 +330,7 @@ static inline __attribute__((always_inline)) void accumulate_tile(
         vr wi[VALUE_HEADS];
         for (int64_t g = 0; g < NG; g++) wi[g] = (vr){0} + w[g * R + i];
         for (int64_t t = 0; t < CT; t++) {
-            vr x = VR(rows + i * Dp)[c0 + t];
+            vr x = code_rows ? code_chunk(code_rows[i], c0 + t) : VR(rows + i * Dp)[c0 + t];
             if (scale) x = x * scale[i * K + k[t]] + zero[i * K + k[t]];
             for (int64_t g = 0; g < NG; g++) r[g][t] += wi[g] * x;
         }
@@ -317,24 +341,27 @@ static inline __attribute__((always_inline)) void accumulate_tile(
 
 static inline __attribute__((always_inline)) void accumulate_ng(
         const int64_t NG, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R, const float *scale,
-        const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D]) {
+        const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D], const uint8_t *const *code_rows) {
     int64_t c = 0;
     for (; c + VALUE_TILE <= Vn; c += VALUE_TILE)
-        accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc);
-    for (; c < Vn; c++) accumulate_tile(NG, 1, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc);
+        accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows);
+    for (; c < Vn; c++) accumulate_tile(NG, 1, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows);
 }
 
 /* acc[g] += sum_i w[g * R + i] * x_i for the ng heads, VALUE_HEADS at a time (each sum the same whatever the pass:
- * over the rows in order, from zero, then added to acc) */
+ * over the rows in order, from zero, then added to acc). With `code_rows` (and `scale`: groups of whole vectors) the
+ * rows are int8 codes widened in registers (code_chunk), dequantized there: the same floats as unpacked rows */
 static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R,
-                       const float *scale, const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D]) {
+                       const float *scale, const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D],
+                       const uint8_t *const *code_rows) {
     for (int64_t g = 0; g < ng; g += VALUE_HEADS) {
         const float *wg = w + g * R;
         switch (ng - g < VALUE_HEADS ? ng - g : VALUE_HEADS) {
 #define CASE(NG) \
         case NG: \
-            if (scale) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g); \
-            else accumulate_ng(NG, n, rows, Dp, wg, R, NULL, NULL, 1, 1, Vn, acc + g); \
+            if (code_rows) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, code_rows); \
+            else if (scale) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, NULL); \
+            else accumulate_ng(NG, n, rows, Dp, wg, R, NULL, NULL, 1, 1, Vn, acc + g, NULL); \
             break;
             CASE(1) CASE(2) CASE(3)
 #undef CASE
@@ -441,12 +468,14 @@ static int64_t float_seen(const Args *a, int64_t b, const float *bias, int64_t r
  * `vs`, `vz` [R, groups] a quantized block's value scales and zeros (of its seen rows, or of all its rows when
  * every one is seen: one load); `idx` [R] the seen rows' offsets in the segment */
 static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, float *rows, float *vs, float *vz,
-                         int64_t *idx, int64_t *fblk) {
+                         int64_t *idx, int64_t *fblk, const uint8_t **crow) {
     const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots;
     const int64_t F = a->float_rows, N = S + nq * bs + F, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
     const int64_t Vn = (D + LANES - 1) / LANES, Dp = Vn * LANES, groups = a->groups, gsz = groups ? D / groups : D;
     /* value groups of whole vectors are dequantized in registers as they are added; others row by row first */
     const int in_registers = groups && gsz % LANES == 0;
+    /* int8 codes of whole vectors are widened in registers as they are used (code_chunk); others unpacked into rows */
+    const int bits = (int)a->bits, codes_in_registers = bits == 8 && D % LANES == 0;
     /* zeroed once: nothing below writes past D, so the padding stays 0 */
     float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ALIGN kz[MAX_D] = {0}, ks[MAX_D],
           qz[8];
@@ -468,7 +497,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             const int64_t page = S ? a->sink_table[b] : 0;
             int64_t n = seen_rows(bias, S, idx);
             for (int64_t i = 0; i < n; i++) load(a->sink_k, a->sink_dtype, AT(SINK_K, h, page) + idx[i] * D, D, rows + i * Dp);
-            score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn);
+            score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn, NULL, D);
             c += n;
             /* keys: quantized ring, the scales folded into the query once per block */
             for (int64_t j = 0; j < nq; j++) {
@@ -481,8 +510,13 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                     qz[g] = dot(qg[g], kz, Vn);
                 }
                 const uint8_t *codes = a->key_codes + AT(KEY_CODES, h, blk);
-                for (int64_t i = 0; i < n; i++) unpack(codes + idx[i] * Dc, a->bits, D, rows + i * Dp);
-                score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn);
+                if (codes_in_registers) {
+                    for (int64_t i = 0; i < n; i++) crow[i] = codes + idx[i] * Dc;
+                    score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn, crow, D);
+                } else {
+                    for (int64_t i = 0; i < n; i++) unpack(codes + idx[i] * Dc, bits, D, rows + i * Dp);
+                    score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn, NULL, D);
+                }
                 c += n;
             }
             /* keys: float ring, block_size rows at a time */
@@ -491,7 +525,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                     continue;
                 for (int64_t i = 0; i < n; i++)
                     load(a->float_k, a->window_dtype, AT(FLOAT_K, h, fblk[i]) + idx[i] * D, D, rows + i * Dp);
-                score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn);
+                score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn, NULL, D);
                 c += n;
             }
             /* softmax over the c seen scores (unnormalized; a learned sink logit adds a term with no value) */
@@ -519,7 +553,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             c = 0;
             n = seen_rows(bias, S, idx);
             for (int64_t i = 0; i < n; i++) load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + idx[i] * D, D, rows + i * Dp);
-            accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
+            accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL);
             c += n;
             for (int64_t j = 0; j < nq; j++) {
                 const int64_t blk = a->quant_table[b * nq + j];
@@ -530,10 +564,12 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                     load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk), bs * groups, vs);
                     load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk), bs * groups, vz);
                 }
+                const int widen_there = in_registers && codes_in_registers;  /* the codes read where they lie */
                 for (int64_t i = 0; i < n; i++) {
                     const int64_t t = idx[i];
                     float *row = rows + i * Dp, *s = vs + i * groups, *z = vz + i * groups;
-                    unpack(codes + t * Dc, a->bits, D, row);
+                    crow[i] = codes + t * Dc;
+                    if (!widen_there) unpack(crow[i], bits, D, row);
                     if (!whole) {
                         load(a->value_scale, a->scale_dtype, AT(VALUE_SCALE, h, blk) + t * groups, groups, s);
                         load(a->value_zero, a->scale_dtype, AT(VALUE_ZERO, h, blk) + t * groups, groups, z);
@@ -542,8 +578,10 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                         for (int64_t k = 0; k < groups; k++)
                             for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) row[d] = row[d] * s[k] + z[k];
                 }
-                if (in_registers) accumulate(ng, n, rows, Dp, sc + c, Ns, vs, vz, groups, gsz / LANES, Vn, acc);
-                else accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
+                if (in_registers)
+                    accumulate(ng, n, rows, Dp, sc + c, Ns, vs, vz, groups, gsz / LANES, Vn, acc,
+                               widen_there ? crow : NULL);
+                else accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL);
                 c += n;
             }
             for (int64_t r0 = 0; r0 < F; r0 += bs) {
@@ -551,7 +589,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                     continue;
                 for (int64_t i = 0; i < n; i++)
                     load(a->float_v, a->window_dtype, AT(FLOAT_V, h, fblk[i]) + idx[i] * D, D, rows + i * Dp);
-                accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc);
+                accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL);
                 c += n;
             }
             for (int64_t g = 0; g < ng; g++) {
@@ -595,10 +633,11 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     float *rows = aligned_alloc(64, (rows_bytes + 63) / 64 * 64);
     float *vs = malloc((size_t)(R * K) * sizeof(float)), *vz = malloc((size_t)(R * K) * sizeof(float));
     int64_t *idx = malloc((size_t)R * sizeof(int64_t)), *fblk = malloc((size_t)R * sizeof(int64_t));
+    const uint8_t **crow = malloc((size_t)R * sizeof(*crow));
     int code = 0;
-    if (scores && rows && vs && vz && idx && fblk) {
+    if (scores && rows && vs && vz && idx && fblk && crow) {
         memset(rows, 0, rows_bytes);
-        attend_units(a, u0, u1, scores, rows, vs, vz, idx, fblk);
+        attend_units(a, u0, u1, scores, rows, vs, vz, idx, fblk, crow);
     } else {
         code = -2;
     }
@@ -608,6 +647,7 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     free(vz);
     free(idx);
     free(fblk);
+    free(crow);
     return code;
 }
 

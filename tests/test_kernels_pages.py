@@ -3,22 +3,25 @@
 ``float_block_rows`` rows that need not divide ``block_size``) and strided views of a cache's own pools (a slice of
 a bigger tensor, a float ring regrouped in blocks of 2 x block_size rows). On the same storage it must equal the C
 decode, the PyTorch reference and the float64 oracle on the K/V the storage holds, at the tolerances of
-tests/test_kernels.py; a pool whose blocks are not contiguous is refused by name before any launch."""
+tests/test_kernels.py; a pool whose blocks are not contiguous is refused by name before any launch. The prefill too:
+the reference, the torch ops' and the Triton kernel over an engine's pages, each asserting that it ran (``trace``)."""
 import dataclasses
 import importlib
 import math
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, KERNEL_TOL
 from helpers import filled_layer, rel_max, rel_rms
 from oracle import attention_oracle, bf16_exact, stored_history
 from test_kernels import check_decode, decode, decode_or_refused, tol
 
-from qsinkkv import CacheConfig, Rotary, decode_c
+from qsinkkv import CacheConfig, Rotary, decode_c, trace
 from qsinkkv.decode import decode_attention_reference
 from qsinkkv.engine_pages import LayerPools, PageLayout, attend_packed, first_page, pages_needed, step_tables, storages
+from qsinkkv.kernels.api import prefill_attention
 from qsinkkv.ops import select_ops
+from qsinkkv.prefill import prefill_attention_reference, prefill_attention_torch
 from qsinkkv.storage import STORAGE_TENSORS
 
 decode_mod = importlib.import_module("qsinkkv.kernels.decode_attention")  # the module, not the function
@@ -150,19 +153,64 @@ def test_decode_over_engine_pages(case):
     assert store.float_k.shape[2] == fr and store.float_table.shape[1] == pl.float_pages
     assert (pl.float_pages > 1) == (S < bs)   # a float ring of several pages, but in the case of big sinks
     assert not any(t.is_contiguous() for t in store.tensors().values() if t.numel())
-    ref = decode_attention_reference(q, store)
+    with trace.recording() as ran:
+        ref = decode_attention_reference(q, store)
+    assert ran == [("decode", "reference")], ran
     assert rel_rms(step_out, ref) < 1e-5  # the engine's own decode of that step
     exact = oracle(q, history, cfg)
     assert rel_max(ref, exact) < 1e-5
     if C_OK:
-        c_out = decode_c.decode_attention_c(q, store)
+        with trace.recording() as ran:
+            c_out = decode_c.decode_attention_c(q, store)
+        assert ran == [("decode", "c")], ran
         assert rel_rms(c_out, ref) < 1e-5
     dev = on_device(pl, raw, store)
     for variant in decode_mod.VARIANTS:
-        for splits, out in zip((1, 3), check_decode(q, dev, ref, variant)):
+        with trace.recording() as ran:
+            outs = check_decode(q, dev, ref, variant)
+        assert ran and set(ran) == {("decode", "triton")}, ran  # (a refused variant is the Triton kernel's refusal)
+        for splits, out in zip((1, 3), outs):
             assert rel_max(out, exact) < tol(variant), f"{variant}, splits={splits}: {rel_max(out, exact):.2e}"
             if C_OK:
                 assert rel_rms(out, c_out) < tol(variant)
+
+
+@pytest.mark.parametrize("case", PAGE_CASES[:3], ids=lambda c: f"int{c[0]}-S{c[1]}-bs{c[3]}-g{c[4]}-G{c[5]}-{c[7]}")
+def test_prefill_over_engine_pages(case):
+    """A ragged chunk prefilled over what an engine's pages hold (each row its own length, one row idle): the
+    reference, the torch ops' prefill and the Triton kernel, each on the same pages and each the kernel it means
+    (``trace``), equal to the float64 oracle on the K/V the pages hold plus the chunk, zero at padding."""
+    bits, S, W, bs, group, G, lengths, shape = case
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=W, bits=bits, block_size=bs, value_group_size=group)
+    pl, raw, store, *_, history = stream_into_pages(cfg, lengths, G, shape, seed=bits * 100 + S + bs + 1)
+    g = torch.Generator().manual_seed(7)
+    B, T = len(lengths), 21
+    chunk = torch.tensor([T, 0, 9, 1][:B])
+    q = torch.randn(B, HKV * G, T, D, generator=g)
+    k, v = bf16_exact(B, HKV, T, D, generator=g), bf16_exact(B, HKV, T, D, generator=g)
+    rows = []
+    for b, (hk, hv) in enumerate(history):
+        n, t = lengths[b], int(chunk[b])
+        stored = stored_history(hk.unsqueeze(0), hv.unsqueeze(0), n, cfg)
+        kv = tuple(torch.cat((x, y[b:b + 1].double()), 2) for x, y in zip(stored, (k, v)))
+        row = torch.zeros(1, HKV * G, T, D, dtype=torch.float64)
+        if t:
+            row[:, :, :t] = attention_oracle(q[b:b + 1, :, :t], lambda i, kv=kv: kv, S, W, range(n, n + t))
+        rows.append(row)
+    exact = torch.cat(rows)
+    dev = on_device(pl, raw, store)
+    kernels = {"reference": (prefill_attention_reference, store, 1e-5),
+               "torch": (prefill_attention_torch, store, 1e-5),
+               "triton": (prefill_attention, dev, KERNEL_TOL)}
+    for kernel, (prefill, layer, tolerance) in kernels.items():
+        with trace.recording() as ran:
+            on = layer.device
+            out = prefill(q.to(on), k.to(on), v.to(on), layer, chunk).cpu()
+        assert ran == [("prefill", kernel)], ran
+        pad = (torch.arange(T).view(1, 1, T, 1) >= chunk.view(B, 1, 1, 1)).expand_as(out)
+        assert torch.count_nonzero(out[pad]) == 0, kernel
+        assert rel_max(out, exact) < tolerance, f"{kernel}: {rel_max(out, exact):.2e}"
+    assert store.seq_lens.tolist() == lengths  # a prefill reads: nothing advanced
 
 
 def test_decode_over_engine_pages_with_sink_logits():

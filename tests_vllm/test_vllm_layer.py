@@ -174,7 +174,8 @@ def test_a_quantized_layer_equals_paged_cache(monkeypatch, bits, learned_sinks, 
 def test_a_bits16_layer_equals_paged_cache(monkeypatch, decode, learned_sinks):
     """bits=16 (vLLM's own pages; the C decode on the CPU, the Triton one on CUDA -- interpreted here --, the torch
     reference on a CPU without a C compiler; SDPA's prefill): every step's output equals ``PagedCache`` fed the same
-    K/V (and learned sink logits), to float32 rounding; the decode and row writer of the one family ran."""
+    K/V (and learned sink logits), to float32 rounding; the decode and row writer of the one family ran, and the
+    prefill through SDPA."""
     cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=16, block_size=16, sink_dtype=torch.float32,
                       window_dtype=torch.float32)
     sinks = _sinks(torch.Generator().manual_seed(16)) if learned_sinks else None
@@ -185,6 +186,7 @@ def test_a_bits16_layer_equals_paged_cache(monkeypatch, decode, learned_sinks):
     assert layer.impl.kernels == decode
     ran = _drive(layer, sinks, tol=2e-5)
     assert {kernel for op, kernel in ran if op in ("decode", "write_rows")} == {decode}, ran
+    assert {kernel for op, kernel in ran if op.startswith("prefill")} == {"torch"}, ran  # (SDPA, on every device)
 
 
 @pytest.mark.parametrize("bits", [16, 4])

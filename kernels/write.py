@@ -14,8 +14,10 @@ blocks; the blocks are checked (a scale or zero that overflowed ``scale_dtype`` 
 ``store_rows``: one program per (token, KV head) copies the token's K and V row into its block's row, rounded to
 the pool's dtype to nearest even (as ``.to()`` rounds; by hand for bf16: the interpreter truncates).
 
-A table entry outside its pool is never followed: such a row or ring token is neither read nor written (the tables
-are checked against their pools before any op runs: ``checks.table``, ``engine_pages.step_tables``).
+Both refuse a table entry they would follow outside its pool, or to no block (-1), before anything is written
+(``write.check_rows``, ``write.check_blocks``: by name on the CPU, a device-side assert on a GPU, no host read), as
+the reference and the C writer do; the kernels themselves never follow such an entry either (on a GPU the assert
+fires after the launch): such a row or ring token is neither read nor written.
 """
 from __future__ import annotations
 
@@ -123,6 +125,14 @@ def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tens
     trace.ran("write_rows", "triton")
     if not at.numel():
         return
+    write.check_rows(pool_k, pool_v, table, seqs, ring_rows, rows_per_block)
+    _launch_store_rows(pool_k, pool_v, table, k, v, at, seqs, ring_rows, rows_per_block)
+
+
+def _launch_store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor,
+                       ring_rows: Tensor, rows_per_block: int) -> None:
+    """``store_rows``' launch, after its check (the kernel never follows an entry outside the pool either: on a GPU
+    the check's assert fires after the launch)."""
     dev = pool_k.device
     k, v = _rows(k, "k"), _rows(v, "v")
     k, v = (k, v) if k.stride() == v.stride() else (k.contiguous(), v.contiguous())  # (one set of strides: both)
@@ -149,6 +159,7 @@ def complete_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seq
     n = seqs.shape[0]
     if not n:
         return
+    write.check_blocks(storage, seqs, blocks, first_new)
     layout, cfg = storage.layout, storage.layout.config
     dev, Hkv, D, bs = storage.device, storage.num_kv_heads, storage.head_dim, cfg.block_size
     k, v = _rows(k, "k"), _rows(v, "v")

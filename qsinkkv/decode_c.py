@@ -548,12 +548,10 @@ def _store_error(code: int, table: Tensor, seqs: Tensor, ring_rows: Tensor, rows
     """The error of a refused row write (``qsinkkv_store_rows``' code), naming the table entries it refused."""
     table2 = table if table.dim() == 2 else table.unsqueeze(1)
     used = table2[seqs.to(table.device), ring_rows.to(table.device) // rows_per_block].cpu()
-    bad = sorted(set(used[(used < -1) | (used >= num_blocks)].tolist()))
-    if code in (-5, -6) and bad:
-        return ValueError(f"table must name blocks of pool_k and pool_v in [0, {num_blocks}) for the rows this write "
-                          f"stores, got {bad}: nothing was written")
-    if code == -5:
-        return ValueError("table names no block (-1) for a row this write stores: nothing was written")
+    bad = sorted(set(used[(used < 0) | (used >= num_blocks)].tolist()))  # (-1, no block, as the others refuse it)
+    if code in (-5, -6) and bad:  # (write.check_rows' words: every writer refuses a table alike)
+        return ValueError(f"table must name blocks of pool_k and pool_v (the rows this write stores) in "
+                          f"[0, {num_blocks}); got {bad}: nothing was written")
     return RuntimeError(f"{what} failed (code {code})")
 
 
@@ -602,8 +600,9 @@ def complete_blocks_c(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, s
         _check_tables(storage)
     if code == -3:
         raise write.overflow_error(storage, k, v, at, seqs, blocks, first_new)
-    if code == -5:
-        raise ValueError("quant_table names no page (-1) for a block this write completes: nothing was written")
+    if code == -5:  # a table naming no block (-1) where the write goes or reads: the words every writer uses
+        write.check_blocks(storage, seqs, blocks, first_new)
+        raise ValueError("a table names no block (-1) for a block this write completes: nothing was written")
     if code:
         raise RuntimeError(f"the C block completion failed (code {code})")
 

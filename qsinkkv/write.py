@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import quant, trace
+from . import checks, quant, trace
 from .storage import QUANT_TENSORS, LayerStorage
 
 
@@ -204,11 +204,41 @@ def complete_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seq
     slot ``quant_table[seqs[i], blocks[i] % quant_slots]``. All host int64 ``[n]``. Raises ValueError (nothing
     written) if a scale or zero overflows ``scale_dtype``. The write's reference; ``decode_c`` has its C version."""
     trace.ran("write_blocks", "torch")
+    check_blocks(storage, seqs, blocks, first_new)
     cfg = storage.layout.config
     parts = completing_blocks(storage, k, v, at, seqs, blocks, first_new)
     quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
                  + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
     put_blocks(storage, seqs, blocks, [x.squeeze(2) for x in quantized])
+
+
+def check_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, first_new: Tensor) -> None:
+    """``complete_blocks``' table entries (its arguments) name blocks of their pools: each block's quantized-ring
+    slot (where it is written) and the float-ring blocks of its older tokens (where they are read). Every writer
+    refuses a table it would follow outside a pool, or to no block (-1), before anything is written: by name on the
+    CPU, as a device-side assert on a GPU (``checks.table_in_step``: no host read; C checks in C)."""
+    layout, dev = storage.layout, storage.device
+    seq, blk = seqs.to(dev), blocks.to(dev)
+    checks.table_in_step("quant_table", storage.quant_table[seq, blk % layout.quant_slots],
+                         min(getattr(storage, name).shape[1] for name in QUANT_TENSORS),
+                         "the quantized pools (the slots this write completes into)", none_ok=False)
+    if layout.float_rows:
+        tok = blk.unsqueeze(1) * layout.block_size + torch.arange(layout.block_size, device=dev)  # [n, bs]
+        ring = (tok % layout.float_rows) // storage.float_k.shape[2]
+        older = tok < first_new.to(dev).unsqueeze(1)
+        checks.table_in_step("float_table", storage.float_table[seq.unsqueeze(1).expand_as(ring)[older], ring[older]],
+                             min(storage.float_k.shape[1], storage.float_v.shape[1]),
+                             "the float pools (the ring rows this write reads)", none_ok=False)
+
+
+def check_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, seqs: Tensor, ring_rows: Tensor,
+               rows_per_block: int) -> None:
+    """``store_rows``' table entries (its arguments) name blocks of ``pool_k`` and ``pool_v``, never -1: as
+    ``check_blocks``, before anything is written."""
+    dev = table.device
+    checks.table_in_step("table", table[seqs.to(dev), ring_rows.to(dev) // rows_per_block],
+                         min(pool_k.shape[1], pool_v.shape[1]), "pool_k and pool_v (the rows this write stores)",
+                         none_ok=False)
 
 
 def put_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, quantized: list[Tensor]) -> None:
@@ -259,6 +289,7 @@ def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tens
     to the pools' dtype (``table [B, slots]``; ``at``, ``seqs``, ``ring_rows`` host int64 ``[n]``, ``at``
     increasing: all of ``k`` when as long). The write's reference; ``decode_c`` has its C version."""
     trace.ran("write_rows", "torch")
+    check_rows(pool_k, pool_v, table, seqs, ring_rows, rows_per_block)
     dev = pool_k.device
     rows = ring_rows.to(dev)
     where = (slice(None), table[seqs.to(dev), rows // rows_per_block], rows % rows_per_block)

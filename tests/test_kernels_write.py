@@ -2,14 +2,14 @@
 chunks past the window) written by it and by the reference writer (``write.WRITER_TORCH``; and the C writer where it
 compiles) into twin storages -- a cache's own pools and an engine's pages -- leaves every pool byte for byte the
 same after every step; a block whose scale overflows is refused by name with nothing written; a table entry
-outside its pool is never followed."""
+outside its pool (or -1) for a row or block the write follows is refused by every writer alike, nothing written, and
+the Triton row kernel itself never follows one."""
 import pytest
 import torch
 
 from qsinkkv import CacheConfig, decode_c, quant, trace, write
 from qsinkkv.engine_pages import LayerPools, PageLayout, step_tables, storages
-from qsinkkv.kernels.write import WRITER_TRITON
-from qsinkkv.kernels.write import store_rows as store_rows_triton
+from qsinkkv.kernels.write import WRITER_TRITON, _launch_store_rows
 from qsinkkv.layout import WindowLayout
 from qsinkkv.storage import STORAGE_TENSORS, LayerStorage
 
@@ -118,15 +118,59 @@ def test_a_block_whose_scale_overflows_is_refused_with_nothing_written():
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
-def test_a_table_entry_outside_the_pool_is_never_followed():
-    """``store_rows`` given a table that names a block past the pool (or -1) writes no byte outside the pool: the
-    rows that name real blocks are written, the others dropped (the tables are checked before any op runs: this is
-    the kernel's own guard)."""
+WRITERS = [write.WRITER_TORCH, WRITER_TRITON] + ([decode_c.WRITER_C] if C_OK else [])
+
+
+@pytest.mark.parametrize("entry", [4, -1], ids=["past the pool", "no block"])
+@pytest.mark.parametrize("writer", WRITERS, ids=lambda w: w.kernel)
+def test_a_row_write_through_a_table_outside_the_pool_is_refused_by_name(writer, entry):
+    """``store_rows`` given a table that names, for a row it stores, a block past its 4 blocks or none (-1): every
+    writer raises a ValueError naming the entry, with no pool byte written (the reference once wrote -1's row into
+    the pool's last block, the Triton kernel dropped the row, the C code refused: now all refuse alike), and says
+    which kernel refused (``trace``)."""
     raw = torch.zeros(2, HKV, 5, 4, D)       # block 4: the bytes past pools of 4 blocks
+    pool_k, pool_v = raw[0, :, :4], raw[1, :, :4]
+    table = torch.tensor([[1, entry, 2]])
+    x = torch.randn(3, HKV, D)
+    at, seqs, rows = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.tensor([1, 5, 9])
+    with trace.recording() as ran, pytest.raises(
+            ValueError, match=rf"table must name blocks of pool_k and pool_v .* in \[0, 4\); got \[{entry}\]"):
+        writer.store_rows(pool_k, pool_v, table, x, x, at, seqs, rows, 4)
+    assert ran == [("write_rows", writer.kernel)], ran
+    assert not raw.any()
+
+
+@pytest.mark.parametrize("table", ["quant_table", "float_table"])
+@pytest.mark.parametrize("writer", WRITERS, ids=lambda w: w.kernel)
+def test_a_block_write_through_a_table_outside_the_pool_is_refused_by_name(writer, table):
+    """``complete_blocks`` whose completing block's quantized slot names no block, or one of whose older tokens' float
+    block does (-1): every writer refuses by name, every pool byte and length as it was."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=4, block_size=4, value_group_size=8)
+    store = LayerStorage.allocate(WindowLayout(cfg), 2, HKV, D, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    k, v = _tokens([4, 4], torch.float32, g, False)
+    write.append_tokens(store, k, v, range(2), [0, 4], [4, 4], quant, False, writer)  # 2 sinks + 2 ring rows each
+    if table == "quant_table":
+        store.quant_table[1] = -1
+    else:
+        store.float_table[1] = -1
+    before = [getattr(store, n).clone() for n in STORAGE_TENSORS] + [store.seq_lens.clone()]
+    k, v = _tokens([3, 3], torch.float32, g, False)   # each row completes its first block: 2 older tokens + 2 new
+    with pytest.raises(ValueError, match=rf"{table} must name blocks of the .* pools .*; got \[-1\]"):
+        write.append_tokens(store, k, v, range(2), [0, 3], [3, 3], quant, False, writer)
+    after = [getattr(store, n) for n in STORAGE_TENSORS] + [store.seq_lens]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_the_triton_row_kernel_never_follows_a_table_entry_outside_the_pool():
+    """The kernel's own guard, under the refusal (on a GPU the refusal is a device-side assert, raised after the
+    launch): given a table that names a block past the pool or none, it writes the rows that name real blocks and
+    no byte outside the pool."""
+    raw = torch.zeros(2, HKV, 5, 4, D)
     pool_k, pool_v = raw[0, :, :4], raw[1, :, :4]
     table = torch.tensor([[1, 4, -1]])       # blocks 1 (real), 4 (past the pool), -1 (none)
     x = torch.randn(3, HKV, D)
     at, seqs, rows = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.tensor([1, 5, 9])
-    store_rows_triton(pool_k, pool_v, table, x, x, at, seqs, rows, 4)
+    _launch_store_rows(pool_k, pool_v, table, x, x, at, seqs, rows, 4)
     assert torch.equal(pool_k[:, 1, 1], x[0].float()) and torch.equal(pool_v[:, 1, 1], x[0].float())
     assert not raw[:, :, 4].any() and int((pool_k != 0).sum()) == int((pool_v != 0).sum()) == HKV * D

@@ -26,6 +26,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -218,27 +219,45 @@ def check_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, first_new:
     refuses a table it would follow outside a pool, or to no block (-1), before anything is written: by name on the
     CPU, as a device-side assert on a GPU (``checks.table_in_step``: no host read; C checks in C)."""
     layout, dev = storage.layout, storage.device
-    seq, blk = seqs.to(dev), blocks.to(dev)
-    checks.table_in_step("quant_table", storage.quant_table[seq, blk % layout.quant_slots],
-                         min(getattr(storage, name).shape[1] for name in QUANT_TENSORS),
-                         "the quantized pools (the slots this write completes into)", none_ok=False)
+    cpu = dev.type == "cpu"  # (numpy there: a fraction of torch's cost per op, at every layer of a step)
+    lib, arange = (np, np.arange) if cpu else (torch, functools.partial(torch.arange, device=dev))
+    seq, blk = (x.numpy() if cpu else x.to(dev) for x in (seqs, blocks))
+    entries = [("quant_table", storage.quant_table, (seq, blk % layout.quant_slots),
+                min(getattr(storage, name).shape[1] for name in QUANT_TENSORS),
+                "the quantized pools (the slots this write completes into)")]
     if layout.float_rows:
-        tok = blk.unsqueeze(1) * layout.block_size + torch.arange(layout.block_size, device=dev)  # [n, bs]
+        tok = blk[:, None] * layout.block_size + arange(layout.block_size)       # [n, bs] recent indices
+        older = tok < (first_new.numpy() if cpu else first_new.to(dev))[:, None]  # read from the ring
         ring = (tok % layout.float_rows) // storage.float_k.shape[2]
-        older = tok < first_new.to(dev).unsqueeze(1)
-        checks.table_in_step("float_table", storage.float_table[seq.unsqueeze(1).expand_as(ring)[older], ring[older]],
-                             min(storage.float_k.shape[1], storage.float_v.shape[1]),
-                             "the float pools (the ring rows this write reads)", none_ok=False)
+        entries.append(("float_table", storage.float_table, (lib.broadcast_to(seq[:, None], ring.shape)[older],
+                                                             ring[older]),
+                        min(storage.float_k.shape[1], storage.float_v.shape[1]),
+                        "the float pools (the ring rows this write reads)"))
+    for name, table, where, pool_blocks, pool in entries:
+        found = (table.numpy() if cpu else table)[where]
+        if cpu and (not found.size or (found.min() >= 0 and found.max() < pool_blocks)):
+            continue
+        checks.table_in_step(name, torch.from_numpy(found) if cpu else found, pool_blocks, pool, none_ok=False)
 
 
 def check_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, seqs: Tensor, ring_rows: Tensor,
                rows_per_block: int) -> None:
     """``store_rows``' table entries (its arguments) name blocks of ``pool_k`` and ``pool_v``, never -1: as
     ``check_blocks``, before anything is written."""
-    dev = table.device
-    checks.table_in_step("table", table[seqs.to(dev), ring_rows.to(dev) // rows_per_block],
-                         min(pool_k.shape[1], pool_v.shape[1]), "pool_k and pool_v (the rows this write stores)",
-                         none_ok=False)
+    dev, blocks = table.device, min(pool_k.shape[1], pool_v.shape[1])
+    if dev.type == "cpu":  # (a decode step's few rows, at every layer: plain Python, then numpy, not torch's ops)
+        t = table.numpy()
+        if seqs.numel() <= 64:
+            if all(0 <= t[s, r // rows_per_block] < blocks for s, r in zip(seqs.tolist(), ring_rows.tolist())):
+                return
+        elif seqs.numel():
+            entries = t[seqs.numpy(), ring_rows.numpy() // rows_per_block]
+            if entries.min() >= 0 and entries.max() < blocks:
+                return
+        entries = torch.from_numpy(t[seqs.numpy(), ring_rows.numpy() // rows_per_block])
+    else:
+        entries = table[seqs.to(dev), ring_rows.to(dev) // rows_per_block]
+    checks.table_in_step("table", entries, blocks, "pool_k and pool_v (the rows this write stores)", none_ok=False)
 
 
 def put_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, quantized: list[Tensor]) -> None:

@@ -229,12 +229,13 @@ def check_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, first_new:
         tok = blk[:, None] * layout.block_size + arange(layout.block_size)       # [n, bs] recent indices
         older = tok < (first_new.numpy() if cpu else first_new.to(dev))[:, None]  # read from the ring
         ring = (tok % layout.float_rows) // storage.float_k.shape[2]
-        entries.append(("float_table", storage.float_table, (lib.broadcast_to(seq[:, None], ring.shape)[older],
-                                                             ring[older]),
+        entries.append(("float_table", storage.float_table, (seq[:, None], ring),
                         min(storage.float_k.shape[1], storage.float_v.shape[1]),
-                        "the float pools (the ring rows this write reads)"))
-    for name, table, where, pool_blocks, pool in entries:
+                        "the float pools (the ring rows this write reads)", older))
+    for name, table, where, pool_blocks, pool, *read in entries:
         found = (table.numpy() if cpu else table)[where]
+        if read:  # only the older tokens' blocks are read (block 0 stands for the rest: no mask, no host read)
+            found = lib.where(read[0], found, 0)
         if cpu and (not found.size or (found.min() >= 0 and found.max() < pool_blocks)):
             continue
         checks.table_in_step(name, torch.from_numpy(found) if cpu else found, pool_blocks, pool, none_ok=False)

@@ -8,7 +8,8 @@ of values read through the pools' (head, block) strides (vLLM's ``[blocks, Hkv, 
 ``[Hkv, blocks, bs, D]`` views), adds the bias to the scores and folds the tile into an online softmax (base 2);
 the decode kernel's merge (``decode_attention._merge_kernel``) combines the runs' (max, sum, acc) and adds the
 learned sink logits (flash-decoding: splits sized from the SM count, ``_num_splits``). A table entry outside the
-pool is never followed (its tile reads zeros and its slots are masked).
+pool is refused by name, as the reference and the C kernel refuse it (a device-side assert on a GPU), and the kernel
+never follows one either (its tile reads zeros and its slots are masked); -1 names no block: its slots unseen.
 
 Same arguments and contract as ``qsinkkv.decode.decode_blocks_torch`` (the reference) and
 ``qsinkkv.decode_c.decode_blocks_c`` (the CPU's).
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from qsinkkv import trace
+from qsinkkv import checks, trace
 from qsinkkv.decode import decode_blocks_torch  # noqa: F401  (the kernel's reference)
 from qsinkkv.kernels.decode_attention import _merge_kernel, _num_splits
 
@@ -99,6 +100,17 @@ def decode_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor
         raise ValueError(f"bias must be float32 [B={B}, nb * bs={nb * bs}] and block_table [B, nb], got bias "
                          f"{bias.dtype} {list(bias.shape)}, block_table {list(block_table.shape)}")
     trace.ran("decode", "triton")
+    checks.table_in_step("block_table", block_table, num_blocks, "k_pool and v_pool")  # (as the reference refuses)
+    return _launch(q, k_pool, v_pool, block_table, bias, scale=scale, sink_logits=sink_logits, out=out)
+
+
+def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, bias: Tensor, *, scale: float,
+            sink_logits: Tensor | None, out: Tensor | None) -> Tensor:
+    """``decode_blocks``' launches, after its checks (the kernel never follows an entry outside the pool either: its
+    slots count as unseen; on a GPU the check's assert fires after the launch)."""
+    B, H, D = q.shape
+    Hkv, num_blocks, bs, _ = k_pool.shape
+    nb = block_table.shape[1]
     G = H // Hkv
     q = q.contiguous()
     splits = _num_splits(B * Hkv, nb, q.device)

@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import trace
+from . import checks, trace
 from .attention import sink_window_attention
 from .rope import Rotary
 from .storage import LayerStorage, gather, gather_into
@@ -118,14 +118,19 @@ def decode_blocks_torch(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: 
                         scale: float, sink_logits: Tensor | None = None) -> Tensor:
     """Decode over float blocks named by a table, what each query sees given by a bias: ``q [B, H, D]``;
     ``k_pool, v_pool [Hkv, blocks, bs, D]`` (any strides); ``block_table [B, nb]`` int64, the blocks row b reads in
-    order (an entry past the visible set may name any block of the pool: its bias is -inf); ``bias [B, nb * bs]``
+    order (an entry past the visible set may name any block of the pool: its bias is -inf; -1: no block, its slots
+    unseen; an entry outside ``[-1, blocks)`` is refused by name, a device-side assert on a GPU); ``bias [B, nb * bs]``
     float32, 0 where the query sees the slot, -inf where not; ``sink_logits [H]``: learned sinks, or None ->
     ``[B, H, D]`` float32. The reference of ``decode_c.decode_blocks_c`` and ``qsinkkv.kernels.decode_blocks``: one
     batched gather and three large ops, the G query heads of a KV head as G rows."""
     trace.ran("decode", "torch")
+    checks.table_in_step("block_table", block_table, min(k_pool.shape[1], v_pool.shape[1]), "k_pool and v_pool")
     B, H, D = q.shape
-    Hkv = k_pool.shape[0]
+    Hkv, bs = k_pool.shape[0], k_pool.shape[2]
     G = H // Hkv
+    none = block_table < 0  # no block: its slots unseen, as the C and Triton kernels read them (not pool[-1])
+    bias = bias.masked_fill(none.repeat_interleave(bs, dim=1), float("-inf"))
+    block_table = block_table.clamp(min=0)
     read = lambda pool: pool[:, block_table].permute(1, 0, 2, 3, 4).reshape(B, Hkv, -1, D).float()  # noqa: E731
     qh = q.float().view(B, Hkv, G, D) * scale
     scores = torch.matmul(qh, read(k_pool).mT).add_(bias.view(B, 1, 1, -1))             # [B, Hkv, G, nb * bs]

@@ -2,12 +2,14 @@
 (``decode.decode_blocks_torch``), the C kernel (``decode_c.decode_blocks_c``) and the Triton kernel
 (``qsinkkv.kernels.decode_blocks``, interpreted here) against the float64 softmax over exactly the slots each row's
 bias leaves visible, with and without learned sink logits; the kernel that is meant runs, a row alone gives what
-it gives in the batch, a table entry outside the pool is never followed."""
+it gives in the batch, a table entry outside the pool is refused by every kernel alike (and the Triton kernel
+never follows one), and -1 names no block: its slots unseen."""
 import pytest
 import torch
 
 from qsinkkv import decode_c, trace
 from qsinkkv.decode import decode_blocks_torch
+from qsinkkv.kernels.decode_blocks import _launch
 from qsinkkv.kernels.decode_blocks import decode_blocks as decode_blocks_triton
 
 C_OK = decode_c.available()[0]
@@ -72,16 +74,38 @@ def test_decode_blocks_matches_float64(kernel, heads, dtype, learned_sinks):
             assert torch.equal(alone[0], out[b]), b
 
 
-def test_the_triton_blocks_decode_never_follows_an_entry_outside_the_pool():
-    """An entry past the pool (or -1) reads no byte there: its slots count as unseen (and the pool's neighbour in
-    memory, NaN here, never reaches the output)."""
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_an_entry_outside_the_pool_is_refused_and_none_is_unseen(kernel):
+    """Every kernel alike: an entry past the pool is refused by name (the reference read a -1 entry as the pool's
+    last block, the Triton kernel skipped a past one); -1 names no block, its slots unseen, whatever the bias says;
+    and the kernel that is meant runs."""
+    q, k_pool, v_pool, table, bias, seen = _case(2, 2, torch.float32, seed=3)
+    past = table.clone()
+    past[2, 3] = 20
+    with trace.recording() as ran, pytest.raises(ValueError, match=r"block_table must name blocks of k_pool and "
+                                                                   r"v_pool in \[0, 20\) \(or -1: none\); got \[20\]"):
+        KERNELS[kernel](q, k_pool, v_pool, past, bias, scale=0.3)
+    assert ran == [("decode", kernel)], ran
+    none = table.clone()
+    none[0, 1] = -1
+    out = KERNELS[kernel](q, k_pool, v_pool, none, bias, scale=0.3)
+    unseen = seen.clone()
+    unseen[0, 16:32] = False
+    torch.testing.assert_close(out.double(), _float64(q, k_pool, v_pool, table, unseen, 0.3, None), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_the_triton_blocks_kernel_never_follows_an_entry_outside_the_pool():
+    """The kernel's own guard, under the refusal (on a GPU the refusal is a device-side assert, raised after the
+    launch): an entry past the pool (or -1) reads no byte there: its slots count as unseen (and the pool's neighbour
+    in memory, NaN here, never reaches the output)."""
     q, k_pool, v_pool, table, bias, seen = _case(2, 2, torch.float32, seed=3)
     raw = torch.full((2, 2, 21, 16, 32), float("nan"))   # one block more than the pools: NaN past them
     raw[0, :, :20], raw[1, :, :20] = k_pool, v_pool
     k_in, v_in = raw[0, :, :20], raw[1, :, :20]
     bad = table.clone()
     bad[0, 1], bad[2, 3] = 20, -1
-    out = decode_blocks_triton(q, k_in, v_in, bad, bias, scale=0.3)
+    out = _launch(q, k_in, v_in, bad, bias, scale=0.3, sink_logits=None, out=None)
     assert torch.isfinite(out).all()
     unseen = seen.clone()
     unseen[0, 16:32] = False

@@ -291,6 +291,7 @@ static inline void score_rows(int64_t ng, int64_t n, float *rows, int64_t Dp, fl
             const float *r = rows + i * Dp, *z = qz ? qz + g : NULL;
             const uint8_t *const *cr = code_rows ? code_rows + i : NULL;
             float *out = sc + g * Ns + i;
+            /* (each source its own inlined copy: the float rows' loop keeps no test of code_rows) */
             switch (ng - g < SCORE_HEADS ? ng - g : SCORE_HEADS) {
             case 1: cr ? score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, cr)
                        : score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, NULL); break;

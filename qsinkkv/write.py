@@ -236,8 +236,6 @@ def check_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, first_new:
         found = (table.numpy() if cpu else table)[where]
         if read:  # only the older tokens' blocks are read (block 0 stands for the rest: no mask, no host read)
             found = lib.where(read[0], found, 0)
-        if cpu and (not found.size or (found.min() >= 0 and found.max() < pool_blocks)):
-            continue
         checks.table_in_step(name, torch.from_numpy(found) if cpu else found, pool_blocks, pool, none_ok=False)
 
 
@@ -246,15 +244,11 @@ def check_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, seqs: Tensor, ring
     """``store_rows``' table entries (its arguments) name blocks of ``pool_k`` and ``pool_v``, never -1: as
     ``check_blocks``, before anything is written."""
     dev, blocks = table.device, min(pool_k.shape[1], pool_v.shape[1])
-    if dev.type == "cpu":  # (a decode step's few rows, at every layer: plain Python, then numpy, not torch's ops)
+    if dev.type == "cpu":  # (a decode step's few rows, at every layer: plain Python, else numpy, not torch's ops)
         t = table.numpy()
-        if seqs.numel() <= 64:
-            if all(0 <= t[s, r // rows_per_block] < blocks for s, r in zip(seqs.tolist(), ring_rows.tolist())):
-                return
-        elif seqs.numel():
-            entries = t[seqs.numpy(), ring_rows.numpy() // rows_per_block]
-            if entries.min() >= 0 and entries.max() < blocks:
-                return
+        if seqs.numel() <= 64 and all(0 <= t[s, r // rows_per_block] < blocks
+                                      for s, r in zip(seqs.tolist(), ring_rows.tolist())):
+            return
         entries = torch.from_numpy(t[seqs.numpy(), ring_rows.numpy() // rows_per_block])
     else:
         entries = table[seqs.to(dev), ring_rows.to(dev) // rows_per_block]

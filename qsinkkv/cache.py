@@ -10,21 +10,23 @@ Decode (one new token per sequence): the token is stored, then its query attends
 storage. Prefill (a chunk of T > 1): each query attends over what the cache held before the
 chunk plus the chunk's own full-precision K/V under the exact sink + window mask; then the chunk
 is stored. A chunk may be ragged: row b holds ``lengths[b]`` new tokens, the rest is padding
-(never stored, never seen, output zero). Every step, padded or packed, runs through one function,
-``step.attend_split`` (the rows that prefill, the write, the rows that decode), as an engine's pages do.
+(never stored, never seen, output zero). Every call, padded or packed, store-only or attending, plans its step
+once (``plan.py``: the plan of a step's first layer serves the others) and runs it through one function,
+``step.run`` (check, write, the rows that prefill, the rows that decode), as an engine's pages do.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from . import checks, write
+from . import checks, plan, step, write
 from .blocks import DenseBlocks, PagedBlocks
 from .config import CacheConfig
 from .layout import WindowLayout
 from .ops import select_ops
 from .rope import Rotary
-from .step import Split, attend_split, scatter_packed, scatter_padded, split_packed, split_padded
 
 # float8 model dtypes have no isfinite (and no way to refuse a NaN): not accepted
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -233,15 +235,7 @@ class SinkQuantCache:
     def append(self, layer: int, k: Tensor, v: Tensor, lengths=None) -> None:
         """Store new tokens ``k, v [B, Hkv, T, D]`` of ``layer`` (any T >= 1); with ``lengths [B]``
         row b holds ``lengths[b]`` tokens, the rest of the row is padding."""
-        self._check_layer(layer)
-        before = self.layers[layer].seq_lens.clone()
-        try:
-            lens, _ = self._check_kv(layer, k, v, lengths)
-            self._reserve(layer, lens)
-            self._undo[layer] = write.append(self.layers[layer], k, v, lens, self.ops.quantizer, self.ops.writer)
-        except BaseException as e:
-            self._roll_back_step(layer, before, e)
-            raise
+        self._run(layer, lambda: self._padded(layer, None, k, v, lengths), None, k, v)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, lengths=None, *, scale: float | None = None,
                sink_logits: Tensor | None = None) -> Tensor:
@@ -252,42 +246,43 @@ class SinkQuantCache:
         padding (not stored, output zero). scale defaults to ``D ** -0.5``; sink_logits ``[H]`` are
         optional learned per-head sink logits (gpt-oss) adding ``exp(s_h)`` to the softmax denominator.
         """
-        self._check_layer(layer)
-        before = self.layers[layer].seq_lens.clone()
-        try:
-            lens, split = self._check_kv(layer, k, v, lengths, q=q, scale=scale, sink_logits=sink_logits)
-            self._reserve(layer, lens)
-            split = split or split_padded(q, k, v, lens)
-            one_out, multi_out = self._attend_split(layer, split, scale, sink_logits)
-            return scatter_padded(q, split, one_out, multi_out)
-        except BaseException as e:
-            self._roll_back_step(layer, before, e)
-            raise
+        return self._run(layer, lambda: self._padded(layer, q, k, v, lengths, scale, sink_logits), q, k, v, scale,
+                         sink_logits)
 
     def attend_packed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, query_start_loc, *,
                       scale: float | None = None, sink_logits: Tensor | None = None) -> Tensor:
         """``attend`` on packed tokens (vLLM's layout): ``q [N, H, D]``, ``k, v [N, Hkv, D]``, row b's new
         tokens at ``[query_start_loc[b], query_start_loc[b+1])`` -> ``[N, H, D]``. Nothing is padded to
         ``[B, T_max]``: rows of one token decode, only the longer rows prefill (padded to their own longest)."""
+        def make_plan() -> plan.StepPlan:
+            _, lens = checks.packed(self._holds(), q, k, v, query_start_loc, scale, sink_logits)
+            return plan.packed(self.layout, self.layers[layer].seq_lens, lens)
+
+        return self._run(layer, make_plan, q, k, v, scale, sink_logits)
+
+    def _padded(self, layer: int, q, k, v, lengths, scale=None, sink_logits=None) -> plan.StepPlan:
+        """A padded chunk's shapes, dtypes, devices and lengths checked (``checks.chunk``), and its plan."""
+        lens = checks.chunk(self._holds(), k, v, lengths, q, scale, sink_logits)
+        return plan.padded(self.layout, self.layers[layer].seq_lens, lens, k.shape[2])
+
+    def _run(self, layer: int, make_plan: Callable[[], plan.StepPlan], q: Tensor | None, k: Tensor, v: Tensor,
+             scale: float | None = None, sink_logits: Tensor | None = None) -> Tensor | None:
+        """``layer``'s step: the arguments checked and the step planned (``make_plan()``: the plan of the step's
+        first layer, memoized, for the others), then ``step.run`` over the layer's storage (read and stored into
+        alike): the values checked, the step's blocks taken (``_reserve``), the write's undo record kept as soon as
+        it is made. Whatever refuses the call, in this layer, rolls the step back on every layer (a model's forward
+        may have run layers 0 .. layer - 1 already): the cache is left as it was before the step."""
         self._check_layer(layer)
-        before = self.layers[layer].seq_lens.clone()
+        storage = self.layers[layer]
+        before = storage.seq_lens.clone()
         try:
-            qsl, lens = checks.packed(self._holds(), q, k, v, query_start_loc, scale, sink_logits)
-            split = split_packed(q, k, v, qsl, lens)
-            checks.values(self.config, self.layers[layer].seq_lens, split, k, v, q, sink_logits, packed=True)
-            self._reserve(layer, lens)
-            one_out, multi_out = self._attend_split(layer, split, scale, sink_logits)
-            return scatter_packed(q.new_empty(q.shape), qsl, split, one_out, multi_out)
+            step_plan = make_plan()
+            return step.run(self.ops, step_plan, storage, storage, q, k, v, scale=scale, sink_logits=sink_logits,
+                            prepare=lambda: self._reserve(layer, step_plan.lens),
+                            undo_to=lambda undo: self._undo.__setitem__(layer, undo))
         except BaseException as e:
             self._roll_back_step(layer, before, e)
             raise
-
-    def _attend_split(self, layer: int, split: Split, scale, sink_logits) -> tuple[Tensor | None, Tensor | None]:
-        """``step.attend_split`` over ``layer``'s storage (read and stored into alike); keeps the write's undo record
-        as soon as it is made (a decode refused after the write rolls it back)."""
-        storage = self.layers[layer]
-        return attend_split(self.ops, split, storage, storage, scale=scale, sink_logits=sink_logits,
-                            undo_to=lambda undo: self._undo.__setitem__(layer, undo))
 
     def _roll_back_step(self, layer: int, before: Tensor, error: BaseException) -> None:
         """A call on ``layer`` (whose lengths were ``before``) failed: undo that layer's own store, if
@@ -323,14 +318,6 @@ class SinkQuantCache:
 
     def _check_layer(self, layer) -> None:
         checks.layer_index(layer, self.num_layers)
-
-    def _check_kv(self, layer, k, v, lengths, *, q=None, scale=None, sink_logits=None) -> tuple[list[int], Split]:
-        """Shapes, dtypes, devices and lengths, then the values (one device sync). Returns the new tokens per
-        row and, for a ragged chunk (``lengths`` given), its rows grouped as they run (None otherwise)."""
-        lens = checks.chunk(self._holds(), k, v, lengths, q, scale, sink_logits)
-        split = None if lengths is None else split_padded(q, k, v, lens)
-        checks.values(self.config, self.layers[layer].seq_lens, split, k, v, q, sink_logits)
-        return lens, split
 
     def _per_sequence(self, name: str, value) -> list[int]:
         return checks.per_sequence(name, value, self.batch_size)

@@ -10,12 +10,16 @@ import functools
 import math
 import numbers
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .config import CacheConfig
-from .step import Split, token_positions
+from .layout import token_positions
+
+if TYPE_CHECKING:
+    from .step import Split
 
 
 @dataclass(frozen=True)

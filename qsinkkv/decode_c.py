@@ -33,7 +33,8 @@ from torch import Tensor
 from . import checks, quant, trace, write
 from .checks import window_bound
 from .models import cache_dir
-from .step import split_packed
+from .plan import StepPlan
+from .step import split
 from .storage import QUANT_TENSORS, LayerStorage
 
 _SOURCE = Path(__file__).with_name("decode_c.c")
@@ -618,15 +619,17 @@ class EngineDecode:
     checks or a block's scale refuse raises by name, nothing written; so does a layer the C code cannot read in
     place."""
 
-    def __init__(self, store: LayerStorage):
+    def __init__(self, store: LayerStorage, step_plan: StepPlan):
         _require_lib()
-        layout, B, held = store.layout, store.batch_size, store.seq_lens
-        every = tuple(range(B))
-        self.plan = write.plan(layout, tuple(held.tolist()), (1,) * B, every, every)
+        if not step_plan.decoding or step_plan.batch_size != store.batch_size:
+            raise ValueError(f"the C engine step serves a plain decode step of the store's {store.batch_size} rows "
+                             f"(every row one new token past its sinks), got a plan of {step_plan.batch_size} rows "
+                             f"bringing {list(step_plan.lens)} tokens after {step_plan.held.tolist()}")
+        layout, held, wrote = store.layout, step_plan.held, step_plan.write
+        self.plan = step_plan
         self.bias = layout.visible_bias(held + 1, store.device)
-        self.index = [t.contiguous() for t in (self.plan.full_at, self.plan.full_rows, self.plan.full_block,
-                                                self.plan.full_from, self.plan.float_at, self.plan.float_rows,
-                                                self.plan.float_row)]
+        self.index = [t.contiguous() for t in (wrote.full_at, wrote.full_rows, wrote.full_block, wrote.full_from,
+                                                wrote.float_at, wrote.float_rows, wrote.float_row)]
         # a later layer's record: this one with that layer's pools (the tables as the C structs read them)
         self.store = replace(store, **{name: getattr(store, name).contiguous()
                                        for name in ("sink_table", "float_table", "quant_table")})
@@ -693,8 +696,5 @@ class EngineDecode:
 
     def _refuse(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         """The error ``checks.values`` gives for this step's values (the C check refused them; nothing was written)."""
-        B = q.shape[0]
-        qsl = torch.arange(B + 1)
-        checks.values(self.layout.config, self.store.seq_lens, split_packed(q, k, v, qsl, [1] * B), k, v, q, None,
-                      packed=True)
+        checks.values(self.layout.config, self.plan.held, split(self.plan, q, k, v), k, v, q, None, packed=True)
         raise RuntimeError("the C engine step refused a value that checks.values accepts: the two checks disagree")

@@ -22,8 +22,8 @@ ring's pages, the quantized ring as it stands (``read``: what the prefill reads)
 completing blocks at their new pages (``store``: where the write puts them, what the decode reads); which logical
 page each entry is follows from the lengths (host), the pages are gathered where the engine's table lives, and
 nothing is read back to the host (no device sync: its checks are ``torch._assert_async``);
-``attend_packed`` runs one layer's packed step (``step.attend_split``, the code ``SinkQuantCache`` runs) over
-them. ``EngineStep`` holds a step's tables and runs each layer over its pools (``LayerPools``, made once for the
+``run`` runs one layer's packed step over them (``step.run``, the code ``SinkQuantCache`` runs). ``EngineStep`` holds
+a step's plan (``plan.StepPlan``) and tables and runs each layer over its pools (``LayerPools``, made once for the
 engine's life). A ring slot whose block is gone, not yet written, or no longer visible names the engine's null
 page, which holds zeros: an op reads only pages the sequence holds or zeros, never another sequence's bytes (a
 freed page may hold anything; a new sequence's sink and float pages are zeroed at its first step).
@@ -38,10 +38,9 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from . import checks, quant
+from . import checks, plan, quant, step
 from .config import CacheConfig
 from .layout import WindowLayout, cdiv
-from .step import attend_split, scatter_packed, split_packed
 from .storage import LayerStorage
 
 SINK_PAGES = 1  # the sink page, logical 0 (the float ring's pages follow it)
@@ -246,40 +245,46 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
                   scale: float | None = None, sink_logits: Tensor | None = None, check: bool = True,
                   out: Tensor | None = None) -> Tensor:
     """One layer's packed step over an engine's pages: ``q [N, H, D]``, ``k, v [N, Hkv, D]``, row b's new tokens
-    at ``[qsl[b], qsl[b+1])`` (host int64) -> ``[N, H, D]`` (in q's dtype, or written into ``out`` and returned),
-    stored into ``store`` (``storages``), as ``SinkQuantCache.attend_packed`` computes it; ``sink_logits [H]``
-    float32: the layer's learned sinks, or None. check: refuse non-finite K/V or q, or NaN/+inf sink logits
-    (``checks.values``) before anything is written."""
-    lens = (qsl[1:] - qsl[:-1]).tolist()
-    split = split_packed(q, k, v, qsl, lens)
-    if check:
-        if sink_logits is not None and (sink_logits.shape != (q.shape[1],) or not sink_logits.is_floating_point()):
-            raise ValueError(f"sink_logits must be a float tensor of shape [H={q.shape[1]}], got {sink_logits.dtype} "
-                             f"{tuple(sink_logits.shape)}")
-        checks.values(read.layout.config, read.seq_lens, split, k, v, q, sink_logits, packed=True)
-    starting = (read.seq_lens == 0).nonzero().flatten()  # (host)
-    if starting.numel():  # a new sequence's sink and float pages may hold a former owner's bytes: zeroed (every
-        # entry of an engine's table is a page, the null page -- zeros -- among them: no mask, no host read)
-        rows = starting.to(read.device, non_blocking=True)
+    at ``[qsl[b], qsl[b+1])`` (host int64, ``qsl[0] == 0``) -> ``[N, H, D]`` (in q's dtype, or written into ``out``
+    and returned), stored into ``store`` (``storages``), as ``SinkQuantCache.attend_packed`` computes it;
+    ``sink_logits [H]`` float32: the layer's learned sinks, or None. check: refuse non-finite K/V or q, or NaN/+inf
+    sink logits (``checks.values``) before anything is written. ``EngineStep.attend`` without its plan made once."""
+    if int(qsl[0]) != 0:
+        raise ValueError(f"qsl must start at 0 (row 0's first token), got {qsl.tolist()}")
+    return run(ops, plan.packed(read.layout, read.seq_lens, qsl.diff().tolist()), read, store, q, k, v, scale=scale,
+               sink_logits=sink_logits, check=check, out=out)
+
+
+def run(ops, step_plan: plan.StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, *,
+        scale: float | None, sink_logits: Tensor | None, check: bool = True, out: Tensor | None = None) -> Tensor:
+    """``step.run`` over an engine's records: learned sinks of the wrong shape refused by name, and a new sequence's
+    pages zeroed once the values pass. An engine never rolls a step back: nothing is copied aside for an undo."""
+    if check and sink_logits is not None and (sink_logits.shape != (q.shape[1],)
+                                              or not sink_logits.is_floating_point()):
+        raise ValueError(f"sink_logits must be a float tensor of shape [H={q.shape[1]}], got {sink_logits.dtype} "
+                         f"{tuple(sink_logits.shape)}")
+
+    def zero_new_rows() -> None:  # a new sequence's sink and float pages may hold a former owner's bytes (every entry
+        # of an engine's table is a page, the null page -- zeros -- among them: no mask, no host read)
+        rows = torch.tensor(step_plan.starting).to(read.device, non_blocking=True)
         read.zero_blocks({"sink": read.sink_table[rows], "float": read.float_table[rows].flatten()})
-    # an engine never rolls a step back: nothing is copied aside for an undo
-    one_out, multi_out = attend_split(ops, split, read, store, scale=scale, sink_logits=sink_logits)
-    return scatter_packed(q.new_empty(q.shape) if out is None else out, qsl, split, one_out, multi_out)
+
+    return step.run(ops, step_plan, read, store, q, k, v, scale=scale, sink_logits=sink_logits, check=check,
+                    prepare=zero_new_rows if step_plan.starting else None, out=out)
 
 
 class EngineStep:
-    """One engine step for every layer: the step's tables, made once (``step_tables``), and
-    ``attend``, which runs one layer's packed step as ``attend_packed`` does. A step in which every row brings
-    one token past its sinks (the common decode step), on ops that have an engine decode (``Ops.engine_decode``:
-    the C one), runs the checks, the write and the decode in two C calls per layer, prepared once for all layers
-    at the first, with no per-layer record (a value they refuse raises by name, nothing written); any other step
-    runs ``attend_packed`` over the layer's records.
-    ``held``, ``lens`` [B] host int64, ``qsl`` [B + 1]."""
+    """One engine step for every layer: its plan (``plan.StepPlan``) and tables (``step_tables``), made once, and
+    ``attend``, which runs one layer's packed step over them. A plain decode step (``StepPlan.decoding``: every row
+    one token past its sinks, the common step) on ops with a fused step kernel (``Ops.engine_decode``: the C one,
+    ``Ops.kernels["engine_step"]``) runs the checks, the write and the decode in two C calls per layer, prepared
+    once for all layers at the first, with no per-layer record (a value they refuse raises by name, nothing
+    written); any other step runs ``step.run`` over the layer's records, as ``attend_packed`` does.
+    ``held``, ``lens`` [B] host int64."""
 
     def __init__(self, layout: WindowLayout, held: Tensor, lens: Tensor, tables: tuple[Tensor, Tensor, Tensor, Tensor]):
         self.layout, self.held, self.tables = layout, held, tables
-        self.query_start_loc = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
-        self.decoding = bool((lens == 1).all()) and bool((held >= max(layout.sink_tokens, 1)).all())  # (host)
+        self.plan = plan.packed(layout, held, lens.tolist())
         self._pool_pages = None  # the pool size the tables were checked against (every layer of an engine: one)
         self._engine = None
 
@@ -295,7 +300,7 @@ class EngineStep:
         return storages(layer, self.layout, self.tables, self.held, checked=True)
 
     def fused(self, ops) -> bool:
-        return self.decoding and ops.engine_decode is not None
+        return self.plan.decoding and ops.engine_decode is not None
 
     def attend(self, ops, layer: LayerPools, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                sink_logits: Tensor | None = None, out: Tensor | None = None) -> Tensor:
@@ -305,12 +310,11 @@ class EngineStep:
         if self.fused(ops):
             self._check(layer)
             if self._engine is None:
-                self._engine = ops.engine_decode(self.records(layer)[1])
+                self._engine = ops.engine_decode(self.records(layer)[1], self.plan)
             return self._engine.run(layer, q, k, v, scale, out, sink_logits)
         read, store = self.records(layer)
         into = out if out is not None and out.dtype == q.dtype else None  # (another dtype: computed, then cast)
-        result = attend_packed(ops, read, store, q, k, v, self.query_start_loc, scale=scale, sink_logits=sink_logits,
-                               out=into)
+        result = run(ops, self.plan, read, store, q, k, v, scale=scale, sink_logits=sink_logits, out=into)
         return result if out is None or into is not None else out.copy_(result)
 
 

@@ -38,6 +38,14 @@ def visible_mask(q_pos: Tensor, k_pos: Tensor, sink_tokens: int, recent_tokens: 
     return (k >= 0) & (k <= q) & ((k < sink_tokens) | (k > q - recent_tokens))
 
 
+def token_positions(held: Tensor, lens: Tensor) -> Tensor:
+    """``[N]`` int64 (host): the position in its sequence of each token of a packed step, row b's ``lens[b]``
+    new tokens after the ``held[b]`` it held (both ``[B]`` host int64; N = ``lens.sum()``)."""
+    rows = torch.repeat_interleave(torch.arange(lens.shape[0]), lens)
+    starts = lens.cumsum(0) - lens
+    return held[rows] + torch.arange(rows.shape[0]) - starts[rows]
+
+
 QUERY_TILE = 256  # queries per tile in the references and the eval's replay: bounds a tile's [t, N] scores
 
 

@@ -14,14 +14,14 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   write              write.plan + write.commit: WRITER_TORCH      decode_c.WRITER_C (CPU, C; the same bits);
                      (complete_blocks, store_rows), with the     qsinkkv.kernels.write.WRITER_TRITON (Triton;
                      chosen quantizer                             the same bits)
-  engine decode step (the checks, the write and the decode of      decode_c.EngineDecode (CPU, C)
-                     engine_pages.attend_packed)
+  engine decode step (the checks, the write and the decode that   decode_c.EngineDecode (CPU, C)
+                     step.run gives a plain decode step, StepPlan.decoding)
 
 Each op has one kernel per backend, chosen here once (``Ops.kernels``, ``Ops.served_by``); every kernel notes
 itself as it runs (``qsinkkv.trace``), and a case it cannot serve raises by name: no kernel hands a call to another.
 
-Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels)
--> cache -> integrations/eval.
+Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels) -> plan -> step
+-> cache/engine_pages -> integrations/eval.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Ops:
     decode: Callable      # (q [B, H, D], storage, *, scale, sink_logits) -> [B, H, D]
     prefill: Callable     # (q, k, v, storage, lengths, *, scale, sink_logits) -> [B, H, T, D]
     writer: write.Writer = write.WRITER_TORCH  # how the write's blocks and rows are written
-    engine_decode: type | None = None  # an engine's decode step in one piece (engine_pages.EngineStep), if any
+    engine_decode: type | None = None  # (store, plan) -> a plain decode step in one piece (EngineStep), if any
     # a packed step's prefill of rows that hold and bring at most S + W tokens in all, on its tokens where they lie
     # after what the rows held (the causal mask: prefill.prefill_causal_packed's signature), if the backend has one
     prefill_causal: Callable | None = None

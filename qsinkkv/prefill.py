@@ -203,7 +203,7 @@ def _key_set(cfg, held: int, t: int, has_causal: bool) -> tuple[int, int, bool]:
     """What the keys of a row holding ``held`` tokens and bringing ``t`` depend on, beside the stored slots (the
     layout's, the same for every row): ``t``; its sinks among the chunk's tokens (``S - held``) as far as a tile
     past the first reads them (``query_tiles``: ``min(sinks, lo)``, lo largest in the last tile); whether it
-    runs ``causal`` (as ``attend_split``'s ``_causal`` decides for a packed step's rows)."""
+    runs ``causal`` (as ``plan.StepPlan.causal`` says of a packed step's rows)."""
     last = (t - 1) // QUERY_TILE * QUERY_TILE
     sinks = min(max(cfg.sink_tokens - held, 0), max(last - cfg.recent_tokens + 1, 0))
     return t, sinks, has_causal and held + t <= cfg.sink_tokens + cfg.recent_tokens

@@ -1,6 +1,10 @@
-"""One step's new tokens grouped by how they run: the rows with one new token decode, the rows with more
-prefill, rows with none sit out. Built once per call (from a padded chunk or from packed tokens) and read by
-the checks, the write and the attention, so a step's cost follows the tokens it carries, never B x T_max."""
+"""How a step runs on one layer: ``run``, the one function every caller takes (``SinkQuantCache``, ``PagedCache``,
+an engine's pages): check -> write -> prefill/decode over the step's ``plan.StepPlan``.
+
+``split`` groups a layer's q, k, v as the plan groups the rows (``Split``: the rows with one new token decode,
+the rows with more prefill, rows with none sit out), read by the checks, the write and the attention, so a step's
+cost follows the tokens it carries, never B x T_max; ``scatter_packed`` / ``scatter_padded`` put the groups'
+outputs back in the step's layout."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import write
+from . import checks, write
+from .plan import StepPlan
 from .prefill import causal_context
 from .storage import LayerStorage
 
@@ -67,40 +72,25 @@ class Split:
         return torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens) + torch.arange(int(lens.sum()))
 
 
-def split_padded(q: Tensor | None, k: Tensor, v: Tensor, lens: list[int]) -> Split:
-    """Group the rows of a padded chunk ``[B, heads, T, D]``: views where the rows are one run."""
-    one, multi = _one_and_multi(lens)
+def split(plan: StepPlan, q: Tensor | None, k: Tensor, v: Tensor) -> Split:
+    """Group one layer's q, k, v by ``plan``'s rows (q None: a step that only stores): a packed step's
+    ``[N, heads, D]`` (the one-token rows' gathered, a decode step's the tokens themselves; the longer rows' stay
+    where they lie), a padded chunk's ``[B, heads, T, D]`` (views where the rows are one run)."""
+    one, multi, lens = plan.one, plan.multi, list(plan.lens)
+    if plan.packed:
+        qsl = plan.query_start_loc
+        if one and len(one) == k.shape[0]:  # every token a one-token row's, in row order (a decode step): no gather
+            firsts = [q, k, v]
+        else:
+            firsts = [None if x is None or not one else x.index_select(0, qsl[one].to(x.device)) for x in (q, k, v)]
+        return Split(lens, one, *firsts, multi, None, None, None, qsl=qsl, packed=(q, k, v))
     pick = lambda x, rows, t: None if x is None or not rows else take_rows(x[:, :, :t], rows)  # noqa: E731
     if len(one) == len(lens):  # a decode step: every row's token as it lies (the common case, kept cheap)
         firsts = [None if x is None else x.select(2, 0) for x in (q, k, v)]
     else:
         firsts = [None if x is None or not one else take_rows(x.select(2, 0), one) for x in (q, k, v)]
-    T_multi = max((lens[b] for b in multi), default=0)
+    T_multi = max(plan.multi_lens, default=0)
     return Split(lens, one, *firsts, multi, *(pick(x, multi, T_multi) for x in (q, k, v)))
-
-
-def split_packed(q: Tensor, k: Tensor, v: Tensor, qsl: Tensor, lens: list[int]) -> Split:
-    """Group the rows of a packed step (``[N, heads, D]``, row b at ``[qsl[b], qsl[b+1])``): the one-token rows
-    are gathered (a decode step's are the tokens themselves); the longer ones stay where they lie."""
-    one, multi = _one_and_multi(lens)
-    if one and len(one) == q.shape[0]:  # every token is a one-token row's, in row order (a decode step): no gather
-        firsts = [q, k, v]
-    else:
-        firsts = [x.index_select(0, qsl[one].to(x.device)) if one else None for x in (q, k, v)]
-    return Split(lens, one, *firsts, multi, None, None, None, qsl=qsl, packed=(q, k, v))
-
-
-def token_positions(held: Tensor, lens: Tensor) -> Tensor:
-    """``[N]`` int64 (host): the position in its sequence of each token of a packed step, row b's ``lens[b]``
-    new tokens after the ``held[b]`` it held (both ``[B]`` host int64; N = ``lens.sum()``)."""
-    rows = torch.repeat_interleave(torch.arange(lens.shape[0]), lens)
-    starts = lens.cumsum(0) - lens
-    return held[rows] + torch.arange(rows.shape[0]) - starts[rows]
-
-
-def _one_and_multi(lens: list[int]) -> tuple[list[int], list[int]]:
-    """The rows with one new token, and the rows with more."""
-    return [b for b, t in enumerate(lens) if t == 1], [b for b, t in enumerate(lens) if t > 1]
 
 
 def take_rows(x: Tensor, rows: list[int]) -> Tensor:
@@ -111,85 +101,92 @@ def take_rows(x: Tensor, rows: list[int]) -> Tensor:
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
-def attend_split(ops, split: Split, read: LayerStorage, store: LayerStorage, *, scale: float | None,
-                 sink_logits: Tensor | None, undo_to: Callable[[write.Undo], None] | None = None
-                 ) -> tuple[Tensor | None, Tensor | None]:
-    """A mixed step, row group by row group: the longer rows prefill over what was stored before (``read``: the
-    storage as it stands, and their own chunk in full precision), the step is stored (into ``store``), then the
-    one-token rows decode, as each would alone, over what is stored. ``read`` and ``store`` are one storage in a
-    qsinkkv cache; an engine's pool gives two records of the same pools whose quantized tables differ where a
-    block completes this step (its new page, while the prefill still reads the old one). A step's cost follows
-    the tokens it carries, not B x T_max.
+def run(ops, plan: StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor | None, k: Tensor, v: Tensor, *,
+        scale: float | None = None, sink_logits: Tensor | None = None, check: bool = True,
+        prepare: Callable[[], None] | None = None, undo_to: Callable[[write.Undo], None] | None = None,
+        out: Tensor | None = None) -> Tensor | None:
+    """One layer's step, the one way every caller runs it (``SinkQuantCache``, ``PagedCache``, an engine's pages):
+    check -> write -> prefill/decode, row group by row group, as ``plan`` (``plan.py``) groups the rows.
 
-    Returns ``([len(one), H, D], the longer rows' output)`` (None for an empty group); the longer rows' output is
-    ``[len(multi), H, T_multi, D]`` for a padded step, their tokens ``[sum(multi_lens), H, D]`` row by row for a
-    packed one. ``undo_to`` (a caller that may roll the step back) gets the write's undo record as soon as the write
-    is done, before the decode that may still raise; without it nothing is copied aside (an engine never rolls
-    back). A packed step whose longer rows each hold and bring at most S + W tokens in all (every query sees every
-    position up to its own: the causal mask) takes ``ops.prefill_causal`` on the tokens where they lie, after what
-    the rows held (``prefill.causal_context``; none when each starts fresh)."""
+    q, k, v: the step's ``[N, heads, D]`` (``plan.packed``) or ``[B, heads, T, D]``; q None: store only. ``read``
+    and ``store`` are one storage in a qsinkkv cache; an engine's pool gives two records of the same pools whose
+    quantized tables differ where a block completes this step (its new page, while the prefill still reads the old
+    one). ``check``: refuse non-finite K/V or q, or NaN/+inf sink logits (``checks.values``), before anything is
+    written; then ``prepare()`` (a cache takes the step's blocks; an engine zeroes a new sequence's pages); then
+    the longer rows prefill over what was stored before (``read``, and their own chunk in full precision), the step
+    is stored (``store``), and the one-token rows decode, as each would alone, over what is stored. ``undo_to`` (a
+    caller that may roll the step back) gets the write's undo record as soon as the write is done, before the decode
+    that may still raise; without it nothing is copied aside (an engine never rolls back).
+
+    Returns the output in q's layout and dtype (``[N, H, D]``, written into ``out`` if given; or ``[B, H, T, D]``,
+    zero at padding and in rows with no new token), or None without q. A step's cost follows the tokens it
+    carries, not B x T_max."""
+    groups = split(plan, q, k, v)
+    if check:
+        checks.values(read.layout.config, plan.held, None if plan.uniform else groups, k, v, q, sink_logits,
+                      packed=plan.packed)
+    if prepare is not None:
+        prepare()
     multi_out = one_out = None
-    if split.multi:
-        if split.packed is not None and ops.prefill_causal is not None and sink_logits is None \
-                and _causal(split, read):
-            q, k, v = split.packed
-            held = read.seq_lens[split.multi]
-            context = None if not int(held.max()) else causal_context(
-                read if len(split.multi) == read.batch_size else read.select_rows(split.multi))
-            multi_out = ops.prefill_causal(q, k, v, split.qsl[split.multi].tolist(), split.multi_lens, context,
-                                           scale=scale)
-        else:
-            every_row = len(split.multi) == read.batch_size  # (in order: reads the storage as it lies)
-            multi_out = ops.prefill(*split.multi_chunk(), read if every_row else read.select_rows(split.multi),
-                                    torch.tensor(split.multi_lens), scale=scale, sink_logits=sink_logits)
-            if split.packed is not None:  # [n, H, T, D] -> the real tokens, row by row
-                n, H, T, D = multi_out.shape
-                real = (torch.arange(n).unsqueeze(1) * T + torch.arange(T))[split.multi_real()]
-                multi_out = multi_out.transpose(1, 2).reshape(n * T, H, D).index_select(0, real.to(multi_out.device))
+    if q is not None and plan.multi:
+        multi_out = _prefill(ops, plan, groups, read, scale, sink_logits)
     keep_undo = undo_to is not None
-    if split.one or split.multi:
-        undo = write.append_tokens(store, *_tokens(split), ops.quantizer, keep_undo, ops.writer)
-    else:  # no new token in any row
-        undo = write.Undo(store.seq_lens.clone(), []) if keep_undo else None
+    before = store.seq_lens.clone() if keep_undo else None
+    saved = write.commit(store, plan.write, *tokens(plan, groups), ops.quantizer, ops.writer, keep_undo) \
+        if plan.one or plan.multi else []
     if keep_undo:
-        undo_to(undo)
-    if split.one:
-        every_row = len(split.one) == store.batch_size  # (decode reads; it needs no copy of the tables)
-        one_out = ops.decode(split.q_one, store if every_row else store.select_rows(split.one), scale=scale,
+        undo_to(write.Undo(before, saved))
+    if q is None:
+        return None
+    if plan.one:
+        every_row = len(plan.one) == store.batch_size  # (decode reads; it needs no copy of the tables)
+        one_out = ops.decode(groups.q_one, store if every_row else store.select_rows(plan.one), scale=scale,
                              sink_logits=sink_logits)
-    return one_out, multi_out
+    if plan.packed:
+        return scatter_packed(q.new_empty(q.shape) if out is None else out, plan.query_start_loc, groups, one_out,
+                              multi_out)
+    return scatter_padded(q, groups, one_out, multi_out)
 
 
-def _causal(split: Split, read: LayerStorage) -> bool:
-    """Every longer row holds and brings at most S + W tokens in all (its visible set is the causal mask)."""
-    cfg = read.layout.config
-    held = read.seq_lens[split.multi]
-    return int((held + torch.tensor(split.multi_lens)).max()) <= cfg.sink_tokens + cfg.recent_tokens
+def _prefill(ops, plan: StepPlan, groups: Split, read: LayerStorage, scale: float | None,
+             sink_logits: Tensor | None) -> Tensor:
+    """The longer rows' output: ``[len(multi), H, T_multi, D]`` for a padded step, their tokens ``[sum(multi_lens),
+    H, D]`` row by row for a packed one. A packed step whose longer rows see just the causal mask (``plan.causal``)
+    takes ``ops.prefill_causal`` on the tokens where they lie, after what the rows held (``prefill.causal_context``;
+    none when each starts fresh)."""
+    def rows() -> LayerStorage:  # the longer rows' storage (every row in order: the storage as it lies)
+        return read if len(plan.multi) == read.batch_size else read.select_rows(plan.multi)
+
+    if plan.packed and plan.causal and ops.prefill_causal is not None and sink_logits is None:
+        q, k, v = groups.packed
+        context = causal_context(rows()) if plan.multi_held else None
+        return ops.prefill_causal(q, k, v, plan.query_start_loc[plan.multi].tolist(), plan.multi_lens, context,
+                                  scale=scale)
+    out = ops.prefill(*groups.multi_chunk(), rows(), torch.tensor(plan.multi_lens), scale=scale,
+                      sink_logits=sink_logits)
+    if plan.packed:  # [n, H, T, D] -> the real tokens, row by row
+        n, H, T, D = out.shape
+        real = (torch.arange(n).unsqueeze(1) * T + torch.arange(T))[groups.multi_real()]
+        out = out.transpose(1, 2).reshape(n * T, H, D).index_select(0, real.to(out.device))
+    return out
 
 
-def _tokens(split: Split) -> tuple:
-    """The step's new K/V as ``write.append_tokens`` takes them: ``k, v [N, Hkv, D]`` and the rows, starts and
-    lengths: a packed step's tokens where they lie, a padded step's one-token rows then the longer rows (padded
-    to their longest)."""
-    one, multi = split.one, split.multi
-    if split.packed is not None:  # rows in token order (write.store_rows reads a run of every token in place)
-        starts = split.qsl.tolist()
-        rows = sorted(one + multi, key=starts.__getitem__)
-        return *split.packed[1:], rows, [starts[b] for b in rows], [split.lens[b] for b in rows]
-    if not multi:  # a decode step's one-token rows: their tokens as they are
-        every = range(len(one))
-        return split.k_one, split.v_one, one, every, [1] * len(one)
-    T = split.k_multi.shape[2]
-    parts = [[x] if one else [] for x in (split.k_one, split.v_one)]
-    for part, x in zip(parts, (split.k_multi, split.v_multi)):
-        part.append(x.transpose(1, 2).reshape(len(multi) * T, *x.shape[1::2]))
-    k, v = (part[0] if len(part) == 1 else torch.cat(part) for part in parts)
-    starts = list(range(len(one))) + [len(one) + i * T for i in range(len(multi))]
-    return k, v, one + multi, starts, [1] * len(one) + split.multi_lens
+def tokens(plan: StepPlan, groups: Split) -> tuple[Tensor, Tensor]:
+    """The step's new K/V as ``plan.write`` places them, ``k, v [N, Hkv, D]``: a packed step's tokens where they
+    lie; a padded step's one-token rows, then the longer rows padded to their longest."""
+    if plan.packed:
+        return groups.packed[1:]
+    if not plan.multi:  # a decode step's one-token rows: their tokens as they are
+        return groups.k_one, groups.v_one
+    T = groups.k_multi.shape[2]
+    parts = [[x] if plan.one else [] for x in (groups.k_one, groups.v_one)]
+    for part, x in zip(parts, (groups.k_multi, groups.v_multi)):
+        part.append(x.transpose(1, 2).reshape(len(plan.multi) * T, *x.shape[1::2]))
+    return tuple(part[0] if len(part) == 1 else torch.cat(part) for part in parts)
 
 
 def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
-    """Put a packed step's row groups' outputs (``attend_split``'s) back at their tokens: ``out [N, H, D]``, row b's
+    """Put a packed step's row groups' outputs (``run``'s) back at their tokens: ``out [N, H, D]``, row b's
     tokens at ``[qsl[b], qsl[b+1])`` (``qsl`` host). Returns ``out``."""
     if split.one and len(split.one) == out.shape[0]:  # a decode step: row order is token order
         return out.copy_(one_out)
@@ -203,7 +200,7 @@ def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | Non
 
 
 def scatter_padded(q: Tensor, split: Split, one_out: Tensor | None, multi_out: Tensor | None) -> Tensor:
-    """A padded step's row groups' outputs (``attend_split``'s) as ``[B, H, T, D]`` (q's shape): each row's at its
+    """A padded step's row groups' outputs (``run``'s) as ``[B, H, T, D]`` (q's shape): each row's at its
     columns, zero at padding and in rows with no new token; the decoding rows' or the prefilling rows' own output
     where it is all of it."""
     B, _, T, _ = q.shape

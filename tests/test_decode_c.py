@@ -581,3 +581,22 @@ def test_every_pointer_of_a_kept_struct_is_either_set_per_call_or_the_steps_own(
         assert per_call | owned == decode_c._POINTERS[struct] and not per_call & owned, struct.__name__
     with pytest.raises(RuntimeError, match="are not its per-call fields"):
         decode_c._point(decode_c._Complete(), x_k=1)
+
+
+def test_the_engine_step_refuses_a_plan_that_is_not_a_plain_decode_step():
+    """``EngineDecode`` serves a plain decode step of its store's rows (``StepPlan.decoding``): a plan of rows that
+    prefill, or start inside the sinks, or of another batch, is refused by name at construction."""
+    from qsinkkv import plan
+    from qsinkkv.engine_pages import LayerPools, PageLayout, step_tables, storages
+    from qsinkkv.layout import WindowLayout
+    cfg = CacheConfig(sink_tokens=3, recent_tokens=40, bits=4, block_size=8, value_group_size=8)
+    layout, pl = WindowLayout(cfg), PageLayout.of(cfg, 2, D)
+    layer = LayerPools(pl.views(torch.zeros(1 + 2 * (pl.pinned + 3), pl.page_bytes, dtype=torch.uint8)))
+    table = 1 + torch.arange(2 * (pl.pinned + 3)).view(2, -1)
+    held = torch.tensor([12, 10])
+    store = storages(layer, layout, step_tables(pl, table, held, torch.tensor([1, 1])), held)[1]
+    decode_c.EngineDecode(store, plan.packed(layout, held, [1, 1]))  # a plain decode step: served
+    for step_plan in (plan.packed(layout, held, [1, 2]), plan.packed(layout, torch.tensor([12, 2]), [1, 1]),
+                      plan.packed(layout, torch.tensor([12, 10, 9]), [1, 1, 1])):
+        with pytest.raises(ValueError, match="serves a plain decode step of the store's 2 rows"):
+            decode_c.EngineDecode(store, step_plan)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from oracle import visible
 
 from qsinkkv import CacheConfig, SinkQuantCache
+from qsinkkv.layout import token_positions
 
 D = 8
 
@@ -73,3 +74,10 @@ def test_visible_slots_are_the_rule_in_position_order(S, W, bits, bs):
         assert pos[0, slots].tolist() == positions.tolist()
         if bits == 16:  # exact: the key of position p holds p
             assert keys[0, 0, slots, 0].tolist() == [float(p) for p in positions.tolist()]
+
+
+def test_token_positions_counts_each_rows_tokens_on_from_what_it_held():
+    held, lens = torch.tensor([5, 0, 9, 2]), torch.tensor([3, 1, 0, 2])
+    expect = [5, 6, 7, 0, 2, 3]                    # row 2 brings nothing
+    assert token_positions(held, lens).tolist() == expect
+    assert token_positions(torch.tensor([4]), torch.tensor([0])).tolist() == []

@@ -43,9 +43,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCache
 from ... import checks, decode_c, trace, write
 from ...decode import decode_blocks_torch
 from ...engine_pages import PageLayout
-from ...layout import visible_mask
+from ...layout import token_positions, visible_mask
 from ...ops import resolve_backend
-from ...step import token_positions
 from . import backend_member, state
 from .quantized import QuantImpl, QuantMetadataBuilder, host_seq_lens, impl_config, sink_logits
 from .spec import QSinkKVSpec

@@ -283,8 +283,8 @@ class EngineStep:
     ``held``, ``lens`` [B] host int64."""
 
     def __init__(self, layout: WindowLayout, held: Tensor, lens: Tensor, tables: tuple[Tensor, Tensor, Tensor, Tensor]):
-        self.layout, self.held, self.tables = layout, held, tables
-        self.plan = plan.packed(layout, held, lens.tolist())
+        self.layout, self.tables = layout, tables
+        self.plan = plan.packed(layout, held, lens.tolist())  # (its held: the tokens each row holds before the step)
         self._pool_pages = None  # the pool size the tables were checked against (every layer of an engine: one)
         self._engine = None
 
@@ -297,7 +297,7 @@ class EngineStep:
     def records(self, layer: LayerPools) -> tuple[LayerStorage, LayerStorage]:
         """``storages`` of ``layer`` for this step."""
         self._check(layer)
-        return storages(layer, self.layout, self.tables, self.held, checked=True)
+        return storages(layer, self.layout, self.tables, self.plan.held, checked=True)
 
     def fused(self, ops) -> bool:
         return self.plan.decoding and ops.engine_decode is not None

@@ -25,10 +25,10 @@ def record_first_layer(sink: Callable[[dict], None]) -> None:
             if not first:
                 first.append(layer.layer_name)
             if layer.layer_name == first[0]:
-                n = attn_metadata.num_actual_tokens
+                n, step_plan = attn_metadata.num_actual_tokens, attn_metadata.step.plan
                 sink({"backend": self.ops.backend, "prefill_causal": self.ops.served_by().get("prefill_causal"),
                       "q": query[:n].clone(), "k": key[:n].clone(), "v": value[:n].clone(),
-                      "qsl": attn_metadata.step.query_start_loc.clone(), "held": attn_metadata.step.held.clone(),
+                      "qsl": step_plan.query_start_loc.clone(), "held": step_plan.held.clone(),
                       "sink_pages": attn_metadata.step.tables[0].clone(),
                       "out": output[:n].view(n, -1, query.shape[-1]).clone()})
         return result

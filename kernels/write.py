@@ -159,7 +159,7 @@ def complete_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seq
     n = seqs.shape[0]
     if not n:
         return
-    write.check_blocks(storage, seqs, blocks, first_new)
+    slots, _ = write.check_blocks(storage, seqs, blocks, first_new)
     layout, cfg = storage.layout, storage.layout.config
     dev, Hkv, D, bs = storage.device, storage.num_kv_heads, storage.head_dim, cfg.block_size
     k, v = _rows(k, "k"), _rows(v, "v")
@@ -182,7 +182,7 @@ def complete_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seq
     scales = torch.cat([x.flatten() for x in (out[1], out[2], out[4], out[5])])
     checks.condition_in_step(torch.isfinite(scales).all(),
                              lambda: write.overflow_error(storage, k, v, at, seqs, blocks, first_new))
-    write.put_blocks(storage, seqs, blocks, out)
+    write.put_blocks(storage, seqs, blocks, out, slots)
 
 
 WRITER_TRITON = write.Writer("triton", complete_blocks, store_rows)

@@ -137,14 +137,6 @@ def max_pages(layout: WindowLayout, pinned: int, in_flight: int) -> int:
     return pinned + cdiv(layout.recent_tokens - 1 + max(in_flight, 1), layout.block_size) + 1
 
 
-def _ring_blocks(layout: WindowLayout, held: Tensor) -> Tensor:
-    """``[B, quant_slots]``: the block each quantized ring slot holds at ``held`` tokens, the newest b with
-    ``b % quant_slots == slot`` (-1: none yet), as ``WindowLayout.slot_positions`` places them."""
-    nq = layout.quant_slots
-    q = layout.quantized_blocks(layout.recent_count(held)).unsqueeze(1)            # [B, 1] blocks quantized
-    return q - 1 - (q - 1 - torch.arange(nq)) % nq
-
-
 def _pages(table: Tensor, block: Tensor, first: Tensor, null_page: int, pinned: int) -> Tensor:
     """The page of each block, or ``null_page`` where it is not there yet or older than logical page ``first``
     (handed back: a freed page may already hold another sequence's bytes). ``block``, ``first``: host, from the
@@ -174,7 +166,7 @@ def step_tables(pages: PageLayout, block_table: Tensor, held: Tensor, lens: Tens
     if table.shape[1] < pinned:  # (no row holds a token yet past the pinned pages: none is read)
         table = torch.cat((table, table.new_full((table.shape[0], pinned - table.shape[1]), null_page)), dim=1)
     first = first_page(layout, pinned, held)
-    block_read, block_store = _ring_blocks(layout, held), _ring_blocks(layout, held + lens)
+    block_read, block_store = layout.ring_blocks(held), layout.ring_blocks(held + lens)
     quant_read = _pages(table, block_read, first, null_page, pinned)
     quant_store = _pages(table, block_store, first, null_page, pinned)
     sink_table, float_table = table[:, 0], table[:, SINK_PAGES:pinned]

@@ -166,6 +166,13 @@ class WindowLayout:
         slots = slots[torch.argsort(pos[slots])]
         return slots, pos[slots]
 
+    def ring_blocks(self, seq_lens: Tensor) -> Tensor:
+        """``[B, quant_slots]`` int64: the window block each quantized-ring slot holds at ``seq_lens [B]`` tokens,
+        the newest quantized block b with ``b % quant_slots == slot`` (-1: none yet)."""
+        q = self.quantized_blocks(self.recent_count(seq_lens.unsqueeze(-1)))   # [B, 1] blocks quantized
+        slot = torch.arange(self.quant_slots, device=seq_lens.device)
+        return q - 1 - (q - 1 - slot) % max(self.quant_slots, 1)
+
     def slot_positions(self, seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Logical position held by every storage slot, per sequence of length ``seq_lens [B]``:
         sinks ``[B, S]``, quantized ring ``[B, quant_slots * bs]``, float ring ``[B, float_rows]``.
@@ -180,9 +187,7 @@ class WindowLayout:
         sink_pos = torch.where(sink < n, sink, -1)
         m = self.recent_count(n)                                              # recent tokens seen
         q = self.quantized_blocks(m)                                          # quantized blocks
-        nq = self.quant_slots
-        slot = torch.arange(nq, device=dev)
-        block = q - 1 - (q - 1 - slot) % max(nq, 1)                           # newest b < q with b % nq == slot
+        block = self.ring_blocks(seq_lens.long())
         quant_pos = (S + block * bs).unsqueeze(-1) + torch.arange(bs, device=dev)
         quant_pos = torch.where((block >= 0).unsqueeze(-1), quant_pos, -1).flatten(1)
         F = self.float_rows

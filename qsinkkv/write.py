@@ -26,7 +26,6 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -205,81 +204,82 @@ def complete_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seq
     slot ``quant_table[seqs[i], blocks[i] % quant_slots]``. All host int64 ``[n]``. Raises ValueError (nothing
     written) if a scale or zero overflows ``scale_dtype``. The write's reference; ``decode_c`` has its C version."""
     trace.ran("write_blocks", "torch")
-    check_blocks(storage, seqs, blocks, first_new)
+    slots, ring_blocks = check_blocks(storage, seqs, blocks, first_new)
     cfg = storage.layout.config
-    parts = completing_blocks(storage, k, v, at, seqs, blocks, first_new)
+    parts = completing_blocks(storage, k, v, at, seqs, blocks, first_new, ring_blocks)
     quantized = (quantizer.quantize_key_blocks(parts[0].unsqueeze(2), cfg.bits, cfg.scale_dtype)
                  + quantizer.quantize_values(parts[1].unsqueeze(2), cfg.bits, cfg.value_group_size, cfg.scale_dtype))
-    put_blocks(storage, seqs, blocks, [x.squeeze(2) for x in quantized])
+    put_blocks(storage, seqs, blocks, [x.squeeze(2) for x in quantized], slots)
 
 
-def check_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, first_new: Tensor) -> None:
+def check_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, first_new: Tensor) -> tuple[Tensor, Tensor]:
     """``complete_blocks``' table entries (its arguments) name blocks of their pools: each block's quantized-ring
     slot (where it is written) and the float-ring blocks of its older tokens (where they are read). Every writer
     refuses a table it would follow outside a pool, or to no block (-1), before anything is written: by name on the
-    CPU, as a device-side assert on a GPU (``checks.table_in_step``: no host read; C checks in C)."""
+    CPU, as a device-side assert on a GPU (``checks.table_in_step``: no host read; C checks in C). Returns the
+    entries, on the storage's device, for the write to follow: ``slots [n]`` (``quant_table``'s) and the float-ring
+    block of each token of each block ``[n, block_size]`` (``float_table``'s; empty without a float ring)."""
     layout, dev = storage.layout, storage.device
-    cpu = dev.type == "cpu"  # (numpy there: a fraction of torch's cost per op, at every layer of a step)
-    lib, arange = (np, np.arange) if cpu else (torch, functools.partial(torch.arange, device=dev))
-    seq, blk = (x.numpy() if cpu else x.to(dev) for x in (seqs, blocks))
-    entries = [("quant_table", storage.quant_table, (seq, blk % layout.quant_slots),
-                min(getattr(storage, name).shape[1] for name in QUANT_TENSORS),
-                "the quantized pools (the slots this write completes into)")]
-    if layout.float_rows:
-        tok = blk[:, None] * layout.block_size + arange(layout.block_size)       # [n, bs] recent indices
-        older = tok < (first_new.numpy() if cpu else first_new.to(dev))[:, None]  # read from the ring
-        ring = (tok % layout.float_rows) // storage.float_k.shape[2]
-        entries.append(("float_table", storage.float_table, (seq[:, None], ring),
-                        min(storage.float_k.shape[1], storage.float_v.shape[1]),
-                        "the float pools (the ring rows this write reads)", older))
-    for name, table, where, pool_blocks, pool, *read in entries:
-        found = (table.numpy() if cpu else table)[where]
-        if read:  # only the older tokens' blocks are read (block 0 stands for the rest: no mask, no host read)
-            found = lib.where(read[0], found, 0)
-        checks.table_in_step(name, torch.from_numpy(found) if cpu else found, pool_blocks, pool, none_ok=False)
+    seq, blk = seqs.to(dev), blocks.to(dev)
+    slots = storage.quant_table[seq, blk % layout.quant_slots]
+    checks.table_in_step("quant_table", slots, min(getattr(storage, name).shape[1] for name in QUANT_TENSORS),
+                         "the quantized pools (the slots this write completes into)", none_ok=False)
+    if not layout.float_rows:  # (bs == 1 and no residual: a block's tokens are all the step's)
+        return slots, seq.new_empty(seq.shape[0], 0)
+    tok = _block_tokens(layout, blk)
+    ring_blocks = storage.float_table[seq.unsqueeze(1), tok % layout.float_rows // storage.float_k.shape[2]]
+    older = tok < first_new.to(dev).unsqueeze(1)  # read from the ring (block 0 stands for the rest: no host read)
+    checks.table_in_step("float_table", torch.where(older, ring_blocks, 0), min(storage.float_k.shape[1],
+                         storage.float_v.shape[1]), "the float pools (the ring rows this write reads)", none_ok=False)
+    return slots, ring_blocks
 
 
 def check_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, seqs: Tensor, ring_rows: Tensor,
-               rows_per_block: int) -> None:
+               rows_per_block: int) -> Tensor:
     """``store_rows``' table entries (its arguments) name blocks of ``pool_k`` and ``pool_v``, never -1: as
-    ``check_blocks``, before anything is written."""
-    dev, blocks = table.device, min(pool_k.shape[1], pool_v.shape[1])
-    if dev.type == "cpu":  # (a decode step's few rows, at every layer: plain Python, else numpy, not torch's ops)
-        t = table.numpy()
-        if seqs.numel() <= 64 and all(0 <= t[s, r // rows_per_block] < blocks
-                                      for s, r in zip(seqs.tolist(), ring_rows.tolist())):
-            return
-        entries = torch.from_numpy(t[seqs.numpy(), ring_rows.numpy() // rows_per_block])
-    else:
-        entries = table[seqs.to(dev), ring_rows.to(dev) // rows_per_block]
-    checks.table_in_step("table", entries, blocks, "pool_k and pool_v (the rows this write stores)", none_ok=False)
+    ``check_blocks``, before anything is written. Returns them ``[n]`` (on the table's device)."""
+    dev = table.device
+    entries = table[seqs.to(dev), ring_rows.to(dev) // rows_per_block]
+    checks.table_in_step("table", entries, min(pool_k.shape[1], pool_v.shape[1]),
+                         "pool_k and pool_v (the rows this write stores)", none_ok=False)
+    return entries
 
 
-def put_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, quantized: list[Tensor]) -> None:
-    """Write quantized blocks into their quantized-ring slots ``quant_table[seqs[i], blocks[i] % quant_slots]``:
-    ``quantized``, the six ``QUANT_TENSORS`` of the n blocks, each ``[n, Hkv, ...]`` (a pool's block)."""
+def put_blocks(storage: LayerStorage, seqs: Tensor, blocks: Tensor, quantized: list[Tensor],
+               slots: Tensor | None = None) -> None:
+    """Write quantized blocks into their quantized-ring slots ``quant_table[seqs[i], blocks[i] % quant_slots]``
+    (``slots``, when the caller has them: ``check_blocks``'): ``quantized``, the six ``QUANT_TENSORS`` of the n
+    blocks, each ``[n, Hkv, ...]`` (a pool's block)."""
     dev = storage.device
-    where = (slice(None), storage.quant_table[seqs.to(dev), blocks.to(dev) % storage.layout.quant_slots])
-    for name, src in zip(QUANT_TENSORS, quantized):                                 # pool[where]: [Hkv, n, ...]
-        getattr(storage, name)[where] = src.transpose(0, 1)
+    if slots is None:
+        slots = storage.quant_table[seqs.to(dev), blocks.to(dev) % storage.layout.quant_slots]
+    for name, src in zip(QUANT_TENSORS, quantized):                                 # pool[:, slots]: [Hkv, n, ...]
+        getattr(storage, name)[:, slots] = src.transpose(0, 1)
+
+
+def _block_tokens(layout, blk: Tensor) -> Tensor:
+    """``[n, block_size]``: the recent indices of the tokens of blocks ``blk [n]``."""
+    return blk.unsqueeze(1) * layout.block_size + torch.arange(layout.block_size, device=blk.device)
 
 
 def completing_blocks(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, seqs: Tensor, blocks: Tensor,
-                      first_new: Tensor) -> list[Tensor]:
+                      first_new: Tensor, ring_blocks: Tensor | None = None) -> list[Tensor]:
     """The tokens of each block ``complete_blocks`` completes (same arguments), as they will be quantized: its older
-    ones from the float ring, the step's from ``k, v``, in ``window_dtype``: ``[k_blocks, v_blocks]``, each
-    ``[n, Hkv, block_size, D]`` (copies)."""
+    ones from the float ring (``ring_blocks``, ``check_blocks``' entries when the caller has them), the step's from
+    ``k, v``, in ``window_dtype``: ``[k_blocks, v_blocks]``, each ``[n, Hkv, block_size, D]`` (copies)."""
     layout, cfg = storage.layout, storage.layout.config
-    bs, F, dev = cfg.block_size, layout.float_rows, storage.device
+    F, dev = layout.float_rows, storage.device
     fr = storage.float_k.shape[2]  # rows of a float block (block_size; an engine's page: the rows a page holds)
     seq, blk = seqs.to(dev), blocks.to(dev)
-    tok = blk.unsqueeze(1) * bs + torch.arange(bs, device=dev)                      # [n, bs] recent indices
+    tok = _block_tokens(layout, blk)                                                # [n, bs] recent indices
     new = tok >= first_new.to(dev).unsqueeze(1)                                     # the step's tokens
     place = at.to(dev).unsqueeze(1) + tok - first_new.to(dev).unsqueeze(1)         # [n, bs] where they are in k, v
+    if F and ring_blocks is None:
+        ring_blocks = storage.float_table[seq.unsqueeze(1), tok % F // fr]
     parts = []
     for ring, x in ((storage.float_k, k), (storage.float_v, v)):
         if F:  # the block's older tokens are in the float ring (none when bs == 1 and R == 0: never read)
-            xb = ring[:, storage.float_table[seq.unsqueeze(1), tok % F // fr], tok % F % fr]  # [Hkv, n, bs, D], a copy
+            xb = ring[:, ring_blocks, tok % F % fr]                                 # [Hkv, n, bs, D], a copy
             i, t = new.nonzero(as_tuple=True)
             xb[:, i, t] = x[place[i, t].to(x.device)].transpose(0, 1).to(dev, cfg.window_dtype)
         else:
@@ -303,10 +303,9 @@ def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tens
     to the pools' dtype (``table [B, slots]``; ``at``, ``seqs``, ``ring_rows`` host int64 ``[n]``, ``at``
     increasing: all of ``k`` when as long). The write's reference; ``decode_c`` has its C version."""
     trace.ran("write_rows", "torch")
-    check_rows(pool_k, pool_v, table, seqs, ring_rows, rows_per_block)
+    blocks = check_rows(pool_k, pool_v, table, seqs, ring_rows, rows_per_block)
     dev = pool_k.device
-    rows = ring_rows.to(dev)
-    where = (slice(None), table[seqs.to(dev), rows // rows_per_block], rows % rows_per_block)
+    where = (slice(None), blocks.to(dev), ring_rows.to(dev) % rows_per_block)
     for pool, x in ((pool_k, k), (pool_v, v)):
         pool[where] = (x if len(at) == x.shape[0] else x[at.to(x.device)]).transpose(0, 1).to(pool.dtype)
 

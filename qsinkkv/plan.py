@@ -22,6 +22,7 @@ gets the plan its first layer made; an engine makes one per step (``engine_pages
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -81,9 +82,10 @@ def _plan(layout: WindowLayout, held: tuple[int, ...], lens: tuple[int, ...], ch
     one = [b for b, t in enumerate(lens) if t == 1]
     multi = [b for b, t in enumerate(lens) if t > 1]
     if chunk_tokens is None:  # the tokens where they lie: rows in token order, each at its offset
-        qsl = torch.tensor((0, *lens), dtype=torch.int64).cumsum(0)
+        offsets = list(itertools.accumulate(lens, initial=0))
+        qsl = torch.tensor(offsets, dtype=torch.int64)
         rows = [b for b, t in enumerate(lens) if t]
-        starts = [int(qsl[b]) for b in rows]
+        starts = [offsets[b] for b in rows]
     else:  # the one-token rows' tokens, then the longer rows padded to their longest (step.tokens)
         qsl = None
         longest = max((lens[b] for b in multi), default=0)

@@ -303,9 +303,8 @@ def store_rows(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tens
     to the pools' dtype (``table [B, slots]``; ``at``, ``seqs``, ``ring_rows`` host int64 ``[n]``, ``at``
     increasing: all of ``k`` when as long). The write's reference; ``decode_c`` has its C version."""
     trace.ran("write_rows", "torch")
-    blocks = check_rows(pool_k, pool_v, table, seqs, ring_rows, rows_per_block)
-    dev = pool_k.device
-    where = (slice(None), blocks.to(dev), ring_rows.to(dev) % rows_per_block)
+    blocks = check_rows(pool_k, pool_v, table, seqs, ring_rows, rows_per_block)  # (on the table's device: the pools')
+    where = (slice(None), blocks, ring_rows.to(blocks.device) % rows_per_block)
     for pool, x in ((pool_k, k), (pool_v, v)):
         pool[where] = (x if len(at) == x.shape[0] else x[at.to(x.device)]).transpose(0, 1).to(pool.dtype)
 

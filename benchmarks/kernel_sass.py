@@ -5,8 +5,8 @@
 
 Compiles ``_decode_kernel`` for ``GPUTarget("cuda", 90, 32)`` on this machine (Triton ships
 ptxas and cuobjdump), then reads the cubin: registers, stack (spill) bytes, and the SASS of the
-main loop (the largest loop: one block of BS tokens of the recent window per iteration; the
-quantized blocks' loop for int8/int4, the float blocks' loop for bf16), the longest path through
+main loop (one block of BS tokens of the recent window per iteration: the quantized blocks' loop
+for int8/int4, the second in address order; the float blocks' loop, the largest, for bf16), the longest path through
 it, and how many of its loads are asynchronous copies (LDGSTS: the pipeliner prefetches the next
 blocks; 0 means each iteration waits for its own loads; per loop in address order: the sinks', the
 main one and, for int8/int4, the float blocks'), per decode variant (int8/int4: ``--decode-variant``,
@@ -52,10 +52,11 @@ _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _COPY = re.compile(r"\bLDGSTS\b")  # an asynchronous global-to-shared copy (cp.async)
 
 
-def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int, stages: int, variant: str,
+def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int | None, stages: int, variant: str,
                    pages: bool = False):
-    """variant: a decode variant (``VARIANTS`` of kernels/decode_attention.py); bits 16 has one body. pages: the
-    pools of an engine's pages (``PageLayout``) instead of the cache's own head-major pools."""
+    """The kernel and its warps (``warps``, or None: the launch's, ``decode_warps`` of the body that runs). variant: a
+    decode variant (``VARIANTS`` of kernels/decode_attention.py); bits 16 has one body. pages: the pools of an
+    engine's pages (``PageLayout``) instead of the cache's own head-major pools."""
     mod = importlib.import_module("qsinkkv.kernels.decode_attention")
     f = "*bf16"
     sig = dict(q_ptr=f, sink_k_ptr=f, sink_v_ptr=f, float_k_ptr=f, float_v_ptr=f, key_codes_ptr="*u8",
@@ -76,8 +77,9 @@ def compile_decode(bits: int, head_dim: int, block: int, group: int, warps: int,
                                   contiguous=all(t.is_contiguous() for t in layer.tensors().values()))
     # the JIT marks an int argument that is a multiple of 16 as such (tt.divisibility): the strides a launch
     # on these pools passes, which is what lets the compiler prove a block's rows aligned (vector loads)
+    warps = warps or mod.decode_warps(block, const["VARIANT"])
     return compile_sm90a(mod._decode_kernel, sig, const, dict(num_warps=warps, num_stages=stages),
-                         divisible=[name for name, v in strides.items() if v % 16 == 0])
+                         divisible=[name for name, v in strides.items() if v % 16 == 0]), warps
 
 
 def meta_pools(cfg, head_dim: int, pages: bool, kv_heads: int = 8):
@@ -176,9 +178,16 @@ def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
     return [(t, a) for a, text in ins if (t := _target(text)) is not None and t < a]
 
 
-def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
-    """(first, last) addresses of the largest loop."""
-    return max(loops(ins), key=lambda lo_hi: sum(lo_hi[0] <= a <= lo_hi[1] for a, _ in ins))
+def main_loop(ins: list[tuple[int, str]], bits: int) -> tuple[int, int]:
+    """(first, last) addresses of the decode's main loop: for bits 8/4 the quantized blocks' loop, the second of
+    the kernel's three block loops in address order (the sinks', the quantized blocks', the float blocks'; the
+    float loop can be the larger: variant "fp16" makes the quantized one smaller), for bits 16 the largest."""
+    found = loops(ins)
+    if bits != 16:
+        if len(found) != 3:
+            raise RuntimeError(f"expected the decode's three block loops, found {len(found)}: read the SASS")
+        return sorted(found)[1]
+    return max(found, key=lambda lo_hi: sum(lo_hi[0] <= a <= lo_hi[1] for a, _ in ins))
 
 
 def walk(ins: list[tuple[int, str]], first: int, last: int, take_first_branch: bool) -> list[str]:
@@ -215,7 +224,7 @@ def main():
     ap.add_argument("--bits", nargs="+", type=int, default=[16, 8, 4])
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--group", type=int, default=64)
-    ap.add_argument("--warps", type=int, help="warps per program (default: the launch's, decode_warps(block))")
+    ap.add_argument("--warps", type=int, help="warps per program (default: the launch's, decode_warps(block, variant))")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--decode-variant", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="int8/int4: the decode variants to compile (default: all)")
@@ -224,27 +233,25 @@ def main():
                          "cache's own head-major pools")
     ap.add_argument("--sass-dir", help="also write each kernel's SASS here")
     a = ap.parse_args()
-    if a.warps is None:
-        a.warps = importlib.import_module("qsinkkv.kernels.decode_attention").decode_warps(a.block)
     if a.pages:  # a page holds quantized blocks: bits 16 keeps the engine's own pages
         a.bits = [b for b in a.bits if b != 16]
     pools = "an engine's pages" if a.pages else "head-major pools"
     print(f"# _decode_kernel for sm_90a (triton {triton.__version__}), block {a.block}, group {a.group}, "
-          f"{a.warps} warps, {a.stages} stages, {pools}; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
-    print("| D | bits | variant | regs | stack (spill) bytes | shared KB | loop instr | path instr | LDL+STL in path "
-          "| LDGSTS in path | LDGSTS per loop | calls in loop | KV bytes/iter | warp-instr/byte |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+          f"{a.stages} stages, {pools}; H200 full bandwidth needs <= {H200_BOUND} warp-instr/byte")
+    print("| D | bits | variant | warps | regs | stack (spill) bytes | shared KB | loop instr | path instr "
+          "| LDL+STL in path | LDGSTS in path | LDGSTS per loop | calls in loop | KV bytes/iter | warp-instr/byte |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     variants = lambda bits: a.decode_variant if bits != 16 else ["-"]  # noqa: E731
     for D, bits, variant in [(D, b, v) for D in a.dims for b in a.bits for v in variants(b)]:
-        k = compile_decode(bits, D, a.block, a.group, a.warps, a.stages, "dequantize" if variant == "-" else variant,
-                           a.pages)
+        k, warps = compile_decode(bits, D, a.block, a.group, a.warps, a.stages,
+                                  "dequantize" if variant == "-" else variant, a.pages)
         regs, stack = resources(k.asm["cubin"])
         sass = cuobjdump(k.asm["cubin"], "-sass")
         if a.sass_dir:
             Path(a.sass_dir).mkdir(parents=True, exist_ok=True)
             (Path(a.sass_dir) / f"decode_d{D}_int{bits}_{variant.strip('-') or 'float'}.sass").write_text(sass)
         ins = instructions(sass)
-        first, last = main_loop(ins)
+        first, last = main_loop(ins, bits)
         loop = sum(first <= addr <= last for addr, _ in ins)
         path = max((walk(ins, first, last, taken) for taken in (False, True)), key=len)
         copies = sum(bool(_COPY.search(t)) for t in path)
@@ -253,8 +260,8 @@ def main():
         calls = sum(first <= a <= last and bool(re.search(r"\bCALL\b", t)) for a, t in ins)
         spills = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in path)
         nbytes = kv_bytes_per_block(bits, D, a.block, a.group)
-        per_byte = len(path) * a.warps / nbytes
-        print(f"| {D} | {bits} | {variant} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | {loop} | "
+        per_byte = len(path) * warps / nbytes
+        print(f"| {D} | {bits} | {variant} | {warps} | {regs} | {stack} | {k.metadata.shared / 1024:.0f} | {loop} | "
               f"{len(path)} | {spills} | {copies} | {per_loop} | {calls} | "
               f"{nbytes:,} | {per_byte:.2f} |", flush=True)
     prefill_table(a.dims)

@@ -49,8 +49,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #             (``_block_folded``): fewer instructions per KV byte on sm_90a, at every head_dim and bit width
 #             compiled (benchmarks/kernel_sass.py, results in benchmarks/results/cpu-2026-12-01g/kernel_sass.md);
 #             validated in the interpreter, not yet on a GPU.
-#   "fp16": every scale folded out, codes as fp16 operands of tensor-core dots with fp32 accumulation
-#           (``_block_fp16``); the absolute contract only. Held to the GPU tolerance in the tests (``FP16_TOL``,
+#   "fp16": keys and values dequantized in fp16 (packed fp16 multiply-adds) into fp16 tensor-core dots with fp32
+#           accumulation (``_block_fp16``): the fewest instructions per KV byte on sm_90a (int4 under the yardstick's
+#           0.35, kernel_sass.py); every operand rounded once to fp16's 11 bits, as TF32 rounds the others' fp32
+#           operands. Needs scale_dtype fp16 (which bounds every stored value below fp16's limit) and the absolute
+#           contract (its keys are never rotated). Held to the GPU tolerance in the tests (``FP16_TOL``,
 #           tests/test_kernels.py).
 # "folded" and "fp16" need each half of the channels in one value group (value_group_size a multiple of
 # head_dim / 2, as the default 64 is for head_dim <= 128); other layouts, and bits=16 (no codes), read their
@@ -63,15 +66,18 @@ VARIANTS = ("dequantize", "folded", "fp16")
 STAGES = (3, 2, 1)
 
 
-def decode_warps(block_size: int) -> int:
-    """Warps per program of ``_decode_kernel`` (the launch and benchmarks/kernel_sass.py take it from here). Each
-    warp repeats a block's fixed work (loop control, the block's addresses and stats, the softmax on the G query
-    rows), which weighs more the fewer bytes a block holds, so small blocks get fewer warps. The yardstick, D 128
-    over an engine's pages (``kernel_sass.py --pages``, 2026-12-05), warp-instructions per KV byte of the main loop,
-    int8 / int4 (dequantize), no spills but where said: block 16, 4 warps 0.52 / 0.98, 1 warp 0.24 / 0.49;
-    block 32, 4 warps 0.33 / 0.69 (8 spilled bytes at int8), 2 warps 0.26 / 0.56 (24 at int4); block 64 (the
-    cache's own pools), 4 warps 0.27 / 0.61, 2 warps 0.22 / 0.50 at 255 registers and spills in two variants: kept
-    at 4, the count the H200 ran."""
+def decode_warps(block_size: int, variant: str = "dequantize") -> int:
+    """Warps per program of ``_decode_kernel`` for the body that runs (``decode_constexprs(...)["VARIANT"]``; the
+    launch and benchmarks/kernel_sass.py take it from here). Each warp repeats a block's fixed work (loop control,
+    the block's addresses and stats, the softmax on the G query rows), which weighs more the fewer bytes a block
+    holds, so small blocks get fewer warps, as many as fit the registers without spills. The yardstick, D 128,
+    warp-instructions per KV byte of the main loop, int8 / int4, no spills but where said (``kernel_sass.py``,
+    2026-12-06, benchmarks/results/cpu-2026-12-06c-fp16-decode/): "dequantize" over an engine's pages, block 16:
+    4 warps 0.52 / 0.98, 1 warp 0.24 / 0.49; block 32: 2 warps 0.26 / 0.56 (24 spilled bytes at int4), 1 warp
+    spills; block 64 (the cache's own pools): 4 warps 0.27 / 0.61, 2 spill. "fp16", block 16, 1 warp 0.18 / 0.30;
+    block 32, 1 warp 0.16 / 0.26, 2 warps 0.22 / 0.38; block 64, 2 warps 0.18 / 0.32, 4 warps 0.21 / 0.38."""
+    if variant == "fp16":
+        return max(1, min(4, block_size // 32))
     return 1 if block_size <= 16 else 2 if block_size <= 32 else 4
 
 
@@ -129,56 +135,41 @@ def _online_update_codes(q_lo, q_hi, k_lo, k_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_
 
 
 @triton.jit
-def _online_update_fp16(qs_lo, qs_hi, qz, ck_lo, ck_hi, cv_lo, cv_hi, vs_lo, vz_lo, vs_hi, vz_hi, valid, m_i, l_i,
-                        acc_lo, acc_hi, qk_scale):
-    """A quantized block with every scale folded out, on tensor cores: keys
-    ``s = (q * s_k) @ codes^T + q . z_k`` (``qs [G, DH]`` fp32, ``qz [G]``), values as in
-    ``_online_update_codes``; codes ``[N, DH]`` fp16 (exact), fp32 accumulation. The fp16 operands
-    are scaled to at most 1 first (per query row for keys, per block for values) and the products
-    scaled back, so neither large keys nor tiny value scales leave fp16's range."""
-    q_max = tl.maximum(tl.max(tl.abs(qs_lo), axis=1), tl.max(tl.abs(qs_hi), axis=1))
-    q_max = tl.where(q_max > 0.0, q_max, 1.0)
-    s = (tl.dot((qs_lo / q_max[:, None]).to(tl.float16), tl.trans(ck_lo))
-         + tl.dot((qs_hi / q_max[:, None]).to(tl.float16), tl.trans(ck_hi))) * q_max[:, None] + qz[:, None]
-    m_new, l_i, alpha, p = _softmax_update(s, valid, m_i, l_i, qk_scale)
-    v_max_lo = tl.maximum(tl.max(vs_lo, axis=0), 1e-30)  # scales are >= 0
-    v_max_hi = tl.maximum(tl.max(vs_hi, axis=0), 1e-30)
-    acc_lo = (acc_lo * alpha[:, None] + tl.dot((p * (vs_lo / v_max_lo)[None, :]).to(tl.float16), cv_lo) * v_max_lo
-              + tl.sum(p * vz_lo[None, :], axis=1)[:, None])
-    acc_hi = (acc_hi * alpha[:, None] + tl.dot((p * (vs_hi / v_max_hi)[None, :]).to(tl.float16), cv_hi) * v_max_hi
-              + tl.sum(p * vz_hi[None, :], axis=1)[:, None])
-    return m_new, l_i, acc_lo, acc_hi
-
-
-@triton.jit
-def _load_codes(block_ptr, t, c, DC, DHALF, t_ok, BITS: tl.constexpr, DTYPE: tl.constexpr = tl.float32):
+def _load_codes(block_ptr, t, c, DC, DHALF, t_ok, BITS: tl.constexpr, HALVED: tl.constexpr = False):
     """A block's uint8 codes (``block_ptr``: its first byte; rows of ``DC`` bytes) for the token rows
-    ``t [T]`` as ``DTYPE`` halves ``[T, BLOCK_DH]``: channels ``c`` and ``DHALF + c`` (c < DHALF).
+    ``t [T]`` as fp32 halves ``[T, BLOCK_DH]``: channels ``c`` and ``DHALF + c`` (c < DHALF); ``HALVED``: as
+    ``code / 2`` in fp16 (``_half_code``), for variant "fp16".
     int4 reads each row's bytes once: its low nibbles are the first half, its high nibbles the second
     (``qsinkkv.quant.pack``), no shuffles. Offsets from one scalar base per block, so the compiler
     sees contiguous rows (vector loads) and no per-element 64-bit address math."""
     mask = t_ok[:, None] & (c[None, :] < DHALF)
     offs = t[:, None] * DC + c[None, :]
     if BITS == 4:
-        byte = tl.load(block_ptr + offs, mask=mask, other=0)
-        return _code_to(byte & 0xF, DTYPE), _code_to(byte >> 4, DTYPE)
+        byte = tl.load(block_ptr + offs, mask=mask, other=0).to(tl.uint16)
+        if HALVED:  # each nibble masked where it lies: no shift
+            lo, hi = _half_code(byte & 0xF, 0x6000, 512.0), _half_code(byte & 0xF0, 0x5000, 32.0)
+        else:
+            lo, hi = (byte & 0xF).to(tl.float32), (byte >> 4).to(tl.float32)
     else:
-        lo = tl.load(block_ptr + offs, mask=mask, other=0)
-        hi = tl.load(block_ptr + DHALF + offs, mask=mask, other=0)
-        return _code_to(lo, DTYPE), _code_to(hi, DTYPE)
+        lo = tl.load(block_ptr + offs, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(block_ptr + DHALF + offs, mask=mask, other=0).to(tl.uint16)
+        if HALVED:
+            lo, hi = _half_code(lo, 0x6000, 512.0), _half_code(hi, 0x6000, 512.0)
+        else:
+            lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
-def _code_to(code, DTYPE: tl.constexpr):
-    """uint8 codes as ``DTYPE``. fp16 without a conversion instruction: a code sits in the mantissa
-    of 1024.0 (0x6400; its ulp is 1), so ``bits(0x6400 | code) - 1024`` is the code exactly: an OR and
-    an fp16 subtraction instead of an I2F conversion, which the SMs issue at a fraction of the rate of
-    plain arithmetic (the CUDA C++ Programming Guide's table of arithmetic instruction throughput); the
-    fast int4 -> fp16 of TensorRT-LLM/LMDeploy."""
-    if DTYPE == tl.float16:
-        return (code.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    else:
-        return code.to(DTYPE)
+def _half_code(bits, MAGIC: tl.constexpr, BASE: tl.constexpr):
+    """``code / 2`` in fp16, exactly, without a conversion instruction: ``bits`` (uint16) holds the code in the
+    mantissa of ``BASE`` (fp16 ``MAGIC``), whose ulp is half the weight of the code's lowest bit there -- 512.0
+    (ulp 1/2) for a code in bits 0-7, 32.0 (ulp 1/32) for an int4 high nibble left in bits 4-7 -- so
+    ``bits(MAGIC | bits) - BASE`` is the code / 2: an OR and an fp16 subtraction instead of an I2F conversion,
+    which the SMs issue at a fraction of the rate of plain arithmetic (the CUDA C++ Programming Guide's table of
+    arithmetic instruction throughput); the fast int4 -> fp16 of TensorRT-LLM/LMDeploy, halved for
+    ``_block_fp16``'s range."""
+    return (bits | MAGIC).to(tl.float16, bitcast=True) - BASE
 
 
 @triton.jit
@@ -205,9 +196,20 @@ def _at(h, blk, st_h, st_b, blocks, BLOCK, CONTIGUOUS: tl.constexpr):
 
 # --- one quantized block into the running state: the three decode variants -----------------------
 # Each reads the block's codes (``key_block``/``value_block``: its first byte), its per-channel key
-# stats ``ks``/``kz [DH]`` (loaded by the caller, shared by all three) and its per-token value stats
-# (``value_scales``/``value_zeros [T]``: pointers to each token's group 0), and returns the new (max, sum,
-# acc_lo, acc_hi).
+# stats (``_key_stats``: fp32 ``ks``/``kz [DH]`` for "dequantize" and "folded"; "fp16" reads them as fp16) and its
+# per-token value stats (``value_scales``/``value_zeros [T]``: pointers to each token's group 0), and returns the
+# new (max, sum, acc_lo, acc_hi).
+
+@triton.jit
+def _key_stats(key_scale, key_zero, c, c_ok, DH):
+    """A quantized block's per-channel key scales and zeros (``key_scale``/``key_zero``: its first) as fp32 halves
+    ``[DH]``."""
+    ks_lo = tl.load(key_scale + c, mask=c_ok, other=0.0).to(tl.float32)
+    ks_hi = tl.load(key_scale + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+    kz_lo = tl.load(key_zero + c, mask=c_ok, other=0.0).to(tl.float32)
+    kz_hi = tl.load(key_zero + DH + c, mask=c_ok, other=0.0).to(tl.float32)
+    return ks_lo, ks_hi, kz_lo, kz_hi
+
 
 @triton.jit
 def _keys_and_value_codes(key_block, value_block, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, k_idx, inv_freq, DC, DH,
@@ -277,18 +279,44 @@ def _block_folded(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, val
 
 
 @triton.jit
-def _block_fp16(q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
-                value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS: tl.constexpr,
-                GROUP_HI):
-    """Variant "fp16" (each half in one value group; the absolute contract: a key turning by its own
-    index does not fold): every scale folded out, codes as fp16 tensor-core operands
-    (``_online_update_fp16``); the key zero enters as ``q . z_k`` per query row."""
-    vs_lo, vz_lo, vs_hi, vz_hi = _value_stats(value_scales, value_zeros, ok, GROUP_HI)
-    ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, tl.float16)
-    qz = tl.sum(q_lo * kz_lo[None, :], axis=1) + tl.sum(q_hi * kz_hi[None, :], axis=1)
-    cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, tl.float16)
-    return _online_update_fp16(q_lo * ks_lo[None, :], q_hi * ks_hi[None, :], qz, ck_lo, ck_hi, cv_lo, cv_hi,
-                               vs_lo, vz_lo, vs_hi, vz_hi, ok, m_i, l_i, acc_lo, acc_hi, qk_scale)
+def _fp16_query(q_lo, q_hi, qk_scale):
+    """The query of variant "fp16" as its fp16 operands ``[G, DH]`` and the per-row score scale ``[G, 1]`` that
+    undoes what they carry: each row times a power of two that brings its largest |q| into [2^12, 2^13) (exact;
+    far from fp16's limit and its subnormals), times 2 for the keys' halved stats (``_block_fp16``)."""
+    top = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
+    e = (top.to(tl.int32, bitcast=True) >> 23) - 139  # floor(log2(top)) - 12 (top >= 0: no sign bit)
+    e = tl.minimum(tl.maximum(e, -126), 126)  # 2^-e a normal float32 (a zero row: any factor)
+    pow2 = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    return ((q_lo * (2.0 * pow2)[:, None]).to(tl.float16), (q_hi * (2.0 * pow2)[:, None]).to(tl.float16),
+            (qk_scale / pow2)[:, None])
+
+
+@triton.jit
+def _block_fp16(q16_lo, q16_hi, qk_rows, m_i, l_i, acc_lo, acc_hi, key_block, value_block, value_scales,
+                value_zeros, key_scale, key_zero, t, c, c_ok, t_ok, ok, DC, DH, BITS: tl.constexpr, GROUP_HI):
+    """Variant "fp16" (each half in one value group; scale_dtype fp16; the absolute contract): keys and values
+    ``codes * scale + zero`` in fp16 -- codes by ``_half_code``'s mantissa trick, packed fp16 multiply-adds -- into
+    fp16 tensor-core dots with fp32 accumulation. ``q16``, ``qk_rows``: ``_fp16_query``. Range: the stats enter
+    halved (the codes by ``_half_code``, exactly; the zeros
+    exactly but for subnormals), so a dequantized value, within its block's min and max (below 65504
+    once stored under scale_dtype fp16), stays far below fp16's limit; the query and the probabilities carry the 2."""
+    ks_lo = tl.load(key_scale + c, mask=c_ok, other=0.0)
+    ks_hi = tl.load(key_scale + DH + c, mask=c_ok, other=0.0)
+    kz_lo = tl.load(key_zero + c, mask=c_ok, other=0.0) * 0.5
+    kz_hi = tl.load(key_zero + DH + c, mask=c_ok, other=0.0) * 0.5
+    ck_lo, ck_hi = _load_codes(key_block, t, c, DC, DH, t_ok, BITS, True)  # code / 2
+    s = tl.dot(q16_lo, tl.trans(ck_lo * ks_lo[None, :] + kz_lo[None, :]))
+    s = tl.dot(q16_hi, tl.trans(ck_hi * ks_hi[None, :] + kz_hi[None, :]), s)
+    m_new, l_i, alpha, p = _softmax_update(s, ok, m_i, l_i, qk_rows)
+    vs_lo = tl.load(value_scales, mask=ok, other=0.0)  # [T]: a token's scale and zero of each half
+    vz_lo = tl.load(value_zeros, mask=ok, other=0.0) * 0.5
+    vs_hi = tl.load(value_scales + GROUP_HI, mask=ok, other=0.0)
+    vz_hi = tl.load(value_zeros + GROUP_HI, mask=ok, other=0.0) * 0.5
+    cv_lo, cv_hi = _load_codes(value_block, t, c, DC, DH, t_ok, BITS, True)
+    p2 = (p * 2.0).to(tl.float16)
+    acc_lo = tl.dot(p2, cv_lo * vs_lo[:, None] + vz_lo[:, None], acc_lo * alpha[:, None])
+    acc_hi = tl.dot(p2, cv_hi * vs_hi[:, None] + vz_hi[:, None], acc_hi * alpha[:, None])
+    return m_new, l_i, acc_lo, acc_hi
 
 
 @triton.jit
@@ -332,6 +360,9 @@ def _decode_kernel(
         inv_freq = tl.load(inv_freq_ptr + c, mask=c_ok, other=0.0)
         q_idx = n_sinks + (m - r_lo) - 1      # the query's index in the cache: min(i, C-1)
         q_lo, q_hi = _rotate(q_lo, q_hi, tl.zeros([BLOCK_G], tl.int32) + q_idx, inv_freq)
+
+    if VARIANT == "fp16":
+        q16_lo, q16_hi, qk_rows = _fp16_query(q_lo, q_hi, qk_scale)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -387,20 +418,18 @@ def _decode_kernel(
             value_zeros = value_zero_ptr + (_at(h, slot, vz_h, vz_b, QUANT_BLOCKS, BS * NG, CONTIGUOUS) + t * NG)
             key_scale = key_scale_ptr + _at(h, slot, ks_h, ks_b, QUANT_BLOCKS, D, CONTIGUOUS)
             key_zero = key_zero_ptr + _at(h, slot, kz_h, kz_b, QUANT_BLOCKS, D, CONTIGUOUS)
-            ks_lo = tl.load(key_scale + c, mask=c_ok, other=0.0).to(tl.float32)
-            ks_hi = tl.load(key_scale + DH + c, mask=c_ok, other=0.0).to(tl.float32)
-            kz_lo = tl.load(key_zero + c, mask=c_ok, other=0.0).to(tl.float32)
-            kz_hi = tl.load(key_zero + DH + c, mask=c_ok, other=0.0).to(tl.float32)
             if VARIANT == "fp16":
                 m_i, l_i, acc_lo, acc_hi = _block_fp16(
-                    q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
-                    value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, DC, DH, BITS, GROUP_HI)
+                    q16_lo, q16_hi, qk_rows, m_i, l_i, acc_lo, acc_hi, key_block, value_block, value_scales,
+                    value_zeros, key_scale, key_zero, t, c, c_ok, t_ok, ok, DC, DH, BITS, GROUP_HI)
             elif VARIANT == "folded":
+                ks_lo, ks_hi, kz_lo, kz_hi = _key_stats(key_scale, key_zero, c, c_ok, DH)
                 m_i, l_i, acc_lo, acc_hi = _block_folded(
                     q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
                     value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo,
                     inv_freq, DC, DH, BITS, GROUP_HI, ROPE, DOT_PRECISION)
             else:
+                ks_lo, ks_hi, kz_lo, kz_hi = _key_stats(key_scale, key_zero, c, c_ok, DH)
                 m_i, l_i, acc_lo, acc_hi = _block_dequantize(
                     q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, key_block, value_block, value_scales,
                     value_zeros, ks_lo, ks_hi, kz_lo, kz_hi, t, c, t_ok, ok, n_sinks + r - r_lo,
@@ -482,8 +511,11 @@ def decode_constexprs(cfg, head_dim: int, group_heads: int, splits: int, *, rope
     ``contiguous``: every pool is contiguous (the cache's own pools), else read through its strides."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
-    if variant == "fp16" and rope:  # keys turn by their own index under cache_index, which does not fold
+    if variant == "fp16" and rope:  # keys turn by their own index under cache_index; its fp16 body rotates none
         raise ValueError("variant='fp16' needs the absolute contract (rotary=None); use 'folded'")
+    if variant == "fp16" and cfg.bits != 16 and cfg.scale_dtype != torch.float16:
+        raise ValueError(f"variant='fp16' dequantizes in fp16: it needs scale_dtype=torch.float16 (which keeps every "
+                         f"stored window value within fp16's range), got {cfg.scale_dtype}; use 'dequantize'")
     D = head_dim
     # a value group holding a whole half: its scale and zero fold out of the per-element work ("folded", "fp16");
     # bits=16 has no quantized block: every variant is the float loop
@@ -602,7 +634,7 @@ def decode_attention(q: Tensor, layer: LayerStorage, *, scale: float | None = No
         layer.sink_k.shape[1], layer.float_k.shape[1], layer.key_codes.shape[1], *strides,
     ), consts, key=(q.device, q.dtype, cfg.sink_dtype, cfg.window_dtype, cfg.scale_dtype), stages=STAGES,
         name="decode", what=f"head_dim={D}, block_size={cfg.block_size}, bits={cfg.bits}",
-        fix="use a smaller block_size, or backend='torch'", num_warps=decode_warps(cfg.block_size))
+        fix="use a smaller block_size, or backend='torch'", num_warps=decode_warps(cfg.block_size, consts["VARIANT"]))
     out = alloc(B, H, D)
     _merge_kernel[(B * H,)](
         part_acc, part_ml, sink_logits if sink_logits is not None else part_ml, out, Hkv, G, D,

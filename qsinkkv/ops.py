@@ -42,8 +42,8 @@ from .rope import Rotary
 BACKENDS = ("auto", "torch", "c", "triton")
 # How the Triton decode kernel reads a quantized block (kernels/decode_attention.py, one helper each):
 # "dequantize" (the default: per element), "folded" (value scales folded into the probabilities), "fp16"
-# (every scale folded out, fp16 tensor-core dots; absolute positions only). Triton only: the torch and
-# c backends have one decode each and refuse the others.
+# (dequantized in fp16 onto fp16 tensor-core dots; scale_dtype fp16 and absolute positions only). Triton only: the
+# torch and c backends have one decode each and refuse the others.
 DECODE_VARIANTS = ("dequantize", "folded", "fp16")
 
 
@@ -107,10 +107,10 @@ def check_decode_variant(decode_variant: str, backend: str | None = None, rotary
                          config: CacheConfig | None = None, head_dim: int | None = None) -> None:
     """Refuse a ``decode_variant`` that is not one of ``DECODE_VARIANTS``, that the (resolved) ``backend``
     has no such body for (torch and c: only the default), that cannot apply under the ``cache_index``
-    contract (``rotary`` given: "fp16" folds the key scales into the query, a key turning by its own index
-    does not), or, given the ``config`` and ``head_dim``, whose blocks it cannot fold ("folded" and "fp16" fold a
-    value group's scale out of each half of the head: ``value_group_size`` must be a multiple of ``head_dim // 2``;
-    bits=16 stores no quantized block, so every variant reads the same float blocks)."""
+    contract (``rotary`` given: "fp16" rotates no key), or, given the ``config`` and ``head_dim``, whose blocks it
+    cannot read ("folded" and "fp16" take one value scale a token and half of the head: ``value_group_size`` must be
+    a multiple of ``head_dim // 2``; "fp16" dequantizes in fp16: ``scale_dtype`` fp16; bits=16 stores no quantized
+    block, so every variant reads the same float blocks)."""
     if decode_variant not in DECODE_VARIANTS:
         raise ValueError(f"decode_variant must be one of {', '.join(map(repr, DECODE_VARIANTS))}, "
                          f"got {decode_variant!r}")
@@ -119,7 +119,11 @@ def check_decode_variant(decode_variant: str, backend: str | None = None, rotary
                          f"backend={backend!r} has one decode: use decode_variant='dequantize' or backend='triton'")
     if rotary is not None and decode_variant == "fp16":
         raise ValueError("decode_variant='fp16' needs positions='absolute' (under 'cache_index' each key turns by "
-                         "its own index in the kernel, which does not fold into the query): use 'folded'")
+                         "its own index in the kernel, which its fp16 body does not do): use 'folded'")
+    if config is not None and decode_variant == "fp16" and config.bits != 16 and config.scale_dtype != torch.float16:
+        raise ValueError(f"decode_variant='fp16' dequantizes in fp16: it needs scale_dtype=torch.float16 (which keeps "
+                         f"every stored window value within fp16's range), got scale_dtype={config.scale_dtype}: use "
+                         f"decode_variant='dequantize'")
     if (config is not None and head_dim is not None and decode_variant != DECODE_VARIANTS[0] and config.bits != 16
             and config.value_group_size % (head_dim // 2)):
         raise ValueError(f"decode_variant={decode_variant!r} folds each value group's scale out of a half of the head: "

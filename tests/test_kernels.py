@@ -45,8 +45,7 @@ FP16_TOL = 3e-3  # fp16 tensor-core operands, in the interpreter as on a GPU (is
 @pytest.fixture(params=list(decode_mod.VARIANTS))
 def variant(request):
     """The decode kernel's bodies for quantized blocks (``decode_attention(variant=...)``): dequantize per
-    element, the value scales folded out ("folded"), or every scale folded out with fp16 tensor-core dots
-    ("fp16")."""
+    element, the value scales folded out ("folded"), or dequantized in fp16 onto fp16 tensor-core dots ("fp16")."""
     return request.param
 
 
@@ -150,7 +149,7 @@ def test_decode_matches_reference(variant, case, rope):
         own = decode_attention_reference(q[b:b + 1], single, rotary=rotary)
         assert rel_rms(ref[b:b + 1], own) < 1e-6
     dev_layer = layer.to(DEVICE)
-    if rope and variant == "fp16":  # keys turn by their own index: their scales cannot fold into the query
+    if rope and variant == "fp16":  # keys turn by their own index: its fp16 body rotates none
         with pytest.raises(ValueError, match=r"variant='fp16' needs the absolute contract \(rotary=None\)"):
             decode(q.to(DEVICE), dev_layer, rotary=rotary, variant=variant)
         return
@@ -310,23 +309,43 @@ def test_decode_value_groups_across_the_halves(variant, bits, head_dim, group):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_decode_fp16_dots_keep_range(bits):
-    """fp16 operands on tensor cores: keys of magnitude ~3e5 (q * s_k far past fp16's 65504 before
-    the per-row rescale; fp32 scales hold them) and values of magnitude ~1e-5 (p * s_v deep in
-    fp16's subnormals before the per-block rescale) stay within the GPU tolerance of the reference."""
-    cfg = CacheConfig(sink_tokens=2, recent_tokens=24, bits=bits, block_size=4, value_group_size=D // 2,
-                      scale_dtype=torch.float32)
+def test_decode_fp16_keeps_range(bits):
+    """Variant "fp16" dequantizes in fp16: window values at the edge of what scale_dtype fp16 stores (blocks from
+    -65000 to 65000, where ``code * scale + zero`` with the stats' rounding would pass fp16's 65504 unhalved), values
+    of ~1e-3 beside them, and queries of ~1e6 and ~1e-6 (their rows brought to fp16's range by a power of two) stay
+    finite and within the GPU tolerance of the reference."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=24, bits=bits, block_size=4, value_group_size=D // 2)
     g = torch.Generator().manual_seed(bits)
     cache = SinkQuantCache(cfg, 1, 2, 2, D, dtype=torch.float32, backend="torch")
-    k = torch.randn(2, 2, 40, D, generator=g) * 3e5
-    v = torch.randn(2, 2, 40, D, generator=g) * 1e-5
+    k = torch.empty(2, 2, 40, D).uniform_(-6.5e4, 6.5e4, generator=g)
+    k[..., 0], k[..., 1] = -6.5e4, 6.5e4  # every block's channels 0 and 1 span the whole range
+    v = torch.randn(2, 2, 40, D, generator=g) * 1e-3
+    v[:, 1] *= 1e4  # the second head's values span ~+-40
     cache.append(0, k, v)
     layer = cache.layers[0]
-    q = torch.randn(2, 6, D, generator=g) * 3
-    ref = decode_attention_reference(q, layer, scale=1e-6)  # keep the softmax soft at these magnitudes
-    out = decode(q.to(DEVICE), layer.to(DEVICE), scale=1e-6, num_splits=2, variant="fp16").cpu()
-    assert torch.isfinite(out).all()
-    assert rel_rms(out, ref) < max(KERNEL_TOL, FP16_TOL)
+    q = torch.randn(2, 6, D, generator=g)
+    q[0] *= 1e6
+    q[1] *= 1e-6
+    for row in range(2):  # a scale that gives row's scores a spread of ~2 (11-bit operands: errors ~2^-11 of it)
+        scale = 2.0 / (q[row].norm(dim=-1).mean().item() * k.pow(2).mean().sqrt().item())
+        ref = decode_attention_reference(q, layer, scale=scale)
+        out = decode(q.to(DEVICE), layer.to(DEVICE), scale=scale, num_splits=2, variant="fp16").cpu()
+        assert torch.isfinite(out).all()
+        assert rel_rms(out[row], ref[row]) < max(KERNEL_TOL, FP16_TOL)
+
+
+def test_decode_fp16_refuses_scales_it_cannot_hold():
+    """Variant "fp16" needs scale_dtype fp16, which bounds every stored window value within fp16's range; other
+    scale dtypes are refused by name, at the kernel and at construction."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=12, bits=4, block_size=4, value_group_size=D // 2,
+                      scale_dtype=torch.float32)
+    cache = SinkQuantCache(cfg, 1, 2, 2, D, dtype=torch.float32, backend="torch")
+    cache.append(0, torch.randn(2, 2, 20, D), torch.randn(2, 2, 20, D))
+    with pytest.raises(ValueError, match=r"variant='fp16' dequantizes in fp16: it needs scale_dtype=torch.float16"):
+        decode(torch.randn(2, 4, D).to(DEVICE), cache.layers[0].to(DEVICE), variant="fp16")
+    with pytest.raises(ValueError, match=r"decode_variant='fp16' dequantizes in fp16: it needs "
+                                         r"scale_dtype=torch.float16 .*got scale_dtype=torch.float32"):
+        SinkQuantCache(cfg, 1, 2, 2, D, dtype=torch.float32, backend="triton", device=DEVICE, decode_variant="fp16")
 
 
 @pytest.mark.parametrize("bits", [4, 8, 16])

@@ -2,6 +2,7 @@
 qsinkkv's int8/int4 pages, ``engine_pages.PageLayout``), and one decode step of a model stack at equal KV memory.
 
     python benchmarks/decode_pages.py [--batch 8 32 64] [--context 4096 16384 32768] [--e2e-batch 16] [--json F]
+                                      [--decode-variant fp16] [--skip-e2e]
     TRITON_INTERPRET=1 python benchmarks/decode_pages.py --tiny --device cpu --interpret   # a smoke test
 
 1. ``pages``: one decode step of every row (``ops.decode`` of the Triton backend over a ``LayerStorage`` whose pools
@@ -17,7 +18,8 @@ qsinkkv's int8/int4 pages, ``engine_pages.PageLayout``), and one decode step of 
    (SDPA over a preallocated cache) at batch B against int4 pages at 3B rows (the engine step as the plugin runs
    it: ``engine_pages.step_tables`` and ``EngineStep`` once per step, then each layer's write + decode), with each
    side's KV bytes; tokens/s = rows / step time.
-Times: medians of ``triton.testing.do_bench`` on CUDA; on the CPU (``--interpret``) a smoke test, meaningless.
+``--decode-variant``: the body of the Triton decode that reads the quantized blocks (kernels/decode_attention.py;
+the plugin's CUDA path runs "dequantize"), for both tables. Times: medians of ``triton.testing.do_bench`` on CUDA; on the CPU (``--interpret``) a smoke test, meaningless.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from common import add_device_options, bench_ms, device_name, empty_cache, gpu_p
 
 from qsinkkv import CacheConfig
 from qsinkkv.engine_pages import EngineStep, LayerPools, PageLayout, step_tables
+from qsinkkv.ops import DECODE_VARIANTS
 
 LLAMA = dict(H=32, Hkv=8, D=128, hidden=4096, inter=14336, layers=32)
 TINY = dict(H=4, Hkv=2, D=32, hidden=64, inter=128, layers=2)
@@ -224,6 +227,8 @@ def main():
     ap.add_argument("--e2e-batch", type=int, default=16, help="bf16 rows of the model step (int4: 3x)")
     ap.add_argument("--e2e-context", type=int, default=8192)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and sizes (a smoke test)")
+    ap.add_argument("--decode-variant", default="dequantize", choices=DECODE_VARIANTS)
+    ap.add_argument("--skip-e2e", action="store_true", help="the pages table only")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpu_path(args)  # (sets TRITON_INTERPRET=1 for --interpret, before the kernels are imported)
@@ -232,15 +237,18 @@ def main():
     shape = TINY if args.tiny else LLAMA
     if args.tiny:
         args.batch, args.context, args.e2e_batch, args.e2e_context = [2], [64], 1, 48
-    ops_for = lambda D: select_ops("triton", device, D, None)  # noqa: E731
+    ops_for = lambda D: select_ops("triton", device, D, None, args.decode_variant)  # noqa: E731
     gbs = copy_gbs(device)
     print(f"# decode over an engine's pages, {device_name(device)}, H {shape['H']} / Hkv {shape['Hkv']} / "
-          f"D {shape['D']}, block {args.block}, copy {gbs:.0f} GB/s\n")
+          f"D {shape['D']}, block {args.block}, decode variant {args.decode_variant}, copy {gbs:.0f} GB/s\n")
     table_header(["bits", "B", "L", "ours ms", "SDPA ms", "bits16 ms", "x SDPA", "x bits16", "GB/s", "%copy",
                   "SDPA %copy"])
-    result = dict(device=device_name(device), shape=shape, block=args.block, copy_gbs=gbs)
+    result = dict(device=device_name(device), shape=shape, block=args.block, copy_gbs=gbs,
+                  decode_variant=args.decode_variant)
     result["pages"] = bench_pages(args, shape, ops_for, device, gbs)
     save_json(args.json, result)
+    if args.skip_e2e:
+        return
     print(f"\n# one decode step of {shape['layers']} layers (hidden {shape['hidden']}), random weights\n")
     table_header(["cache", "rows", "L", "KV GiB", "step ms", "tokens/s"], left=1)
     result["e2e"] = bench_e2e(args, shape, ops_for, device)

@@ -6,8 +6,7 @@
 #      (tests/test_kernels.py, test_kernels_pages.py, test_kernels_write.py)                     <= 100 s
 #   3. decode_attention.md/.json: decode attention, ours (int16/8/4) vs SDPA and SDPA-GQA over a
 #      bf16 cache, llama shape, L 8k..128k, B 1..64                                              <= 50 s
-#   4. decode_attention_folded.md/.json and decode_attention_fp16.md/.json: the same with
-#      --decode-variant folded and --decode-variant fp16, fewer rows                            <= 25 s each
+#   4. decode_attention_fp16.md/.json: the same with --decode-variant fp16, fewer rows         <= 25 s
 #   5. prefill.md/.json: prefill of T 4k..32k tokens into an empty cache (the Triton prefill kernel)
 #      vs causal SDPA and vs the torch backend (the reference prefill), llama shape (H 32, Hkv 8,
 #      D 128), bf16, with peak extra memory                                                     <= 40 s
@@ -17,6 +16,8 @@
 #      int8/int4 pages (block 16), llama shape, B 8..64, L 4k..32k, vs SDPA's flash kernel over a bf16
 #      cache and qsinkkv's bits=16 decode, with copy-bandwidth fractions; and one decode step of an
 #      8B-shaped stack at equal KV memory: bf16 at batch 16 vs int4 pages at 48 rows             <= 75 s
+#   8. decode_pages_fp16.md/.json: the pages table with --decode-variant fp16 (the body with the
+#      fewest instructions per KV byte, docs/kernels.md), B 8 and 64, L 4k and 32k                <= 25 s
 # Every step runs even if one before it failed; steps.txt has each one's exit status and seconds;
 # the script exits non-zero if any step failed.
 #
@@ -70,6 +71,7 @@ if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then  # the same steps on the CPU at tiny siz
   PREFILL=(--shape smollm2 --dtype float32 --context 64 --capacity 32 --reps 1)
   E2E=(--tiny --backend triton)
   PAGES=(--tiny)
+  PAGES_FEW=(--tiny)
   KERNEL_TESTS=("$REPO/tests/test_kernels.py")
 else
   TESTS=()
@@ -79,6 +81,7 @@ else
   PREFILL=(--shape llama --dtype bfloat16 --context 4096 8192 16384 32768 --reps 5)
   E2E=(--batch 64 --context 8192)
   PAGES=()
+  PAGES_FEW=(--batch 8 64 --context 4096 32768)
   KERNEL_TESTS=("$REPO/tests/test_kernels.py" "$REPO/tests/test_kernels_pages.py" "$REPO/tests/test_kernels_write.py")
 fi
 { date -u +%F; { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
@@ -102,13 +105,13 @@ B="$REPO/benchmarks"
 step tests.log 100 python3 -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" ${TESTS[@]+"${TESTS[@]}"}
 step decode_attention.md 50 python3 "$B/decode_attention.py" "${DEV[@]}" "${DECODE[@]}" \
   --json "$DEST/decode_attention.json"
-# the values-folded kernel and the fp16 tensor-core kernel (not the default until this check has passed)
-for variant in folded fp16; do
-  step "decode_attention_$variant.md" 25 python3 "$B/decode_attention.py" "${DEV[@]}" "${DECODE_FEW[@]}" \
-    --decode-variant "$variant" --json "$DEST/decode_attention_$variant.json"
-done
+# the fp16 tensor-core body (not the default until this check has passed)
+step decode_attention_fp16.md 25 python3 "$B/decode_attention.py" "${DEV[@]}" "${DECODE_FEW[@]}" \
+  --decode-variant fp16 --json "$DEST/decode_attention_fp16.json"
 step prefill.md 40 python3 "$B/prefill.py" "${DEV[@]}" "${PREFILL[@]}" --json "$DEST/prefill.json"
 step e2e_decode.md 45 python3 "$B/e2e_decode.py" "${DEV[@]}" "${E2E[@]}" --json "$DEST/e2e_decode.json"
 step decode_pages.md 75 python3 "$B/decode_pages.py" "${DEV[@]}" ${PAGES[@]+"${PAGES[@]}"} --json "$DEST/decode_pages.json"
+step decode_pages_fp16.md 25 python3 "$B/decode_pages.py" "${DEV[@]}" "${PAGES_FEW[@]}" --decode-variant fp16 \
+  --skip-e2e --json "$DEST/decode_pages_fp16.json"
 cat "$DEST/steps.txt"
 exit $failed

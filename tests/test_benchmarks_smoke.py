@@ -85,8 +85,8 @@ def test_benchmark_runs_tiny(case, tmp_path):
 @pytest.mark.slow
 def test_gpu_check_tiny(tmp_path):
     """benchmarks/gpu_check.sh itself, every step at tiny sizes on the CPU (``GPU_CHECK_TINY=1``): each step
-    exits 0 and each benchmark writes its rows, the GPU code paths of decode_attention.py (every decode
-    variant), prefill.py, e2e_decode.py and decode_pages.py (the plugin's engine path) included."""
+    exits 0 and each benchmark writes its rows, the GPU code paths of decode_attention.py (the default decode
+    body and "fp16"), prefill.py, e2e_decode.py and decode_pages.py (the plugin's engine path) included."""
     pytest.importorskip("transformers")
     proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path)], capture_output=True, text=True,
                           timeout=240, env=env(GPU_CHECK_TINY="1"), check=False)
@@ -94,11 +94,11 @@ def test_gpu_check_tiny(tmp_path):
     failed = [line.split()[0] for line in steps.splitlines() if " rc=0 " not in line]
     logs = "\n".join(f"--- {name}\n{(tmp_path / name).read_text()[-3000:]}" for name in failed)
     assert proc.returncode == 0 and not failed, steps + logs + proc.stdout[-3000:] + proc.stderr[-3000:]
-    names = ["tests.log", "decode_attention.md", "decode_attention_folded.md", "decode_attention_fp16.md",
-             "prefill.md", "e2e_decode.md", "decode_pages.md"]
+    names = ["tests.log", "decode_attention.md", "decode_attention_fp16.md", "prefill.md", "e2e_decode.md",
+             "decode_pages.md", "decode_pages_fp16.md"]
     assert [line.split()[0] for line in steps.splitlines()] == names
     assert "2 passed" in (tmp_path / "tests.log").read_text()
-    for name in ("decode_attention", "decode_attention_folded", "decode_attention_fp16"):
+    for name in ("decode_attention", "decode_attention_fp16"):
         result = json.loads((tmp_path / f"{name}.json").read_text())
         assert result["device"] == "cpu (Triton interpreter)" and len(result["rows"]) == 1, name
         assert result["decode_variant"] == (name.removeprefix("decode_attention").strip("_") or "dequantize")
@@ -110,3 +110,6 @@ def test_gpu_check_tiny(tmp_path):
     pages = json.loads((tmp_path / "decode_pages.json").read_text())  # the engine path: int8/int4 pages, the stack
     assert [r["bits"] for r in pages["pages"]] == [8, 4] and all(r["ms"] > 0 for r in pages["pages"])
     assert [r["cache"] for r in pages["e2e"]] == ["bf16", "int4 pages"] and pages["e2e"][1]["rows"] == 3
+    assert pages["decode_variant"] == "dequantize"
+    fp16 = json.loads((tmp_path / "decode_pages_fp16.json").read_text())  # the fp16 body over the pages, no stack
+    assert fp16["decode_variant"] == "fp16" and [r["bits"] for r in fp16["pages"]] == [8, 4] and "e2e" not in fp16

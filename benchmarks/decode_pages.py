@@ -19,7 +19,8 @@ qsinkkv's int8/int4 pages, ``engine_pages.PageLayout``), and one decode step of 
    it: ``engine_pages.step_tables`` and ``EngineStep`` once per step, then each layer's write + decode), with each
    side's KV bytes; tokens/s = rows / step time.
 ``--decode-variant``: the body of the Triton decode that reads the quantized blocks (kernels/decode_attention.py;
-the plugin's CUDA path runs "dequantize"), for both tables. Times: medians of ``triton.testing.do_bench`` on CUDA; on the CPU (``--interpret``) a smoke test, meaningless.
+the plugin's CUDA path runs "dequantize" unless its config picks another), for both tables. Times: medians of
+``triton.testing.do_bench`` on CUDA; on the CPU (``--interpret``) a smoke test, meaningless.
 """
 from __future__ import annotations
 

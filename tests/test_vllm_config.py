@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from qsinkkv import CacheConfig
-from qsinkkv.integrations.vllm.config import PluginConfigError, check_engine, parse_config, raw_config, to_jsonable
+from qsinkkv.integrations.vllm.config import (
+    PluginConfigError,
+    check_engine,
+    decode_variant,
+    parse_config,
+    raw_config,
+    to_jsonable,
+)
 
 GOOD = {"sink_tokens": 4, "recent_tokens": 252, "bits": 4, "block_size": 32, "value_group_size": 32}
 ENGINE = dict(block_size=None, user_block_size=False, head_dim=64, enable_prefix_caching=False, speculative=False,
@@ -27,10 +34,25 @@ def test_a_good_config_round_trips_and_gives_vllm_our_block_size():
     ({**GOOD, "positions": "cache_index"}, "positions"),
     ({**GOOD, "residual_tokens": 8}, "residual_tokens"),
     ({**GOOD, "sink_dtype": "int8"}, "sink_dtype"),
+    ({**GOOD, "decode_variant": "fast"}, "decode_variant"),                  # the plugin's own field
+    ({**GOOD, "bits": 16, "decode_variant": "fp16"}, "bits 8 or 4 only"),  # no quantized block to read
+    ({**GOOD, "decode_variant": "fp16", "scale_dtype": "float32"}, "needs scale_dtype=torch.float16"),
 ])
 def test_parse_refuses_naming_the_field(raw, field):
     with pytest.raises(PluginConfigError, match=field):
         parse_config(raw)
+
+
+def test_the_decode_body_is_the_plugins_own_field():
+    """``decode_variant`` (the Triton decode's body on CUDA) rides beside the CacheConfig fields: the config is the
+    same with or without it, "dequantize" unless picked, and a head_dim that the body cannot read is refused by name
+    where it is known (the engine's model, at start)."""
+    fp16 = {**GOOD, "decode_variant": "fp16"}
+    assert parse_config(fp16) == parse_config(GOOD)
+    assert decode_variant(fp16, parse_config(fp16), 64) == "fp16"
+    assert decode_variant(GOOD, parse_config(GOOD)) == "dequantize"
+    with pytest.raises(PluginConfigError, match=r"value_group_size a multiple of head_dim // 2 = 64"):
+        decode_variant(fp16, parse_config(fp16), 128)
 
 
 def test_raw_config_must_be_a_dict():

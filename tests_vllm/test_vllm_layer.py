@@ -34,10 +34,11 @@ class Layer:
     the builder reads only the sink and window blocks)."""
 
     def __init__(self, cfg: CacheConfig, monkeypatch, sinks: torch.Tensor | None, backend: str = "auto",
-                 device: str = "cpu"):
+                 device: str = "cpu", plugin: dict | None = None):
+        """``plugin``: the plugin's own fields of ``additional_config["qsinkkv"]`` (``decode_variant``)."""
         vllm_config = SimpleNamespace(device_config=SimpleNamespace(device=device),
                                       model_config=SimpleNamespace(dtype=torch.float32),
-                                      additional_config={}, scheduler_config=SimpleNamespace())
+                                      additional_config={"qsinkkv": plugin or {}}, scheduler_config=SimpleNamespace())
         monkeypatch.setattr(state, "active", lambda: cfg)
         monkeypatch.setattr(state, "current_vllm_config", lambda: vllm_config)
         monkeypatch.setattr(state, "in_flight_tokens", lambda: 64)
@@ -332,3 +333,18 @@ def test_a_quantized_layer_on_cuda_runs_the_triton_kernels_with_no_host_read(mon
     ran = set(_drive(on_host, sinks, tol=1e-4, steps=_schedule()[:24], also=under_gpu_rules))
     assert {kernel for _, kernel in ran} == {"triton"}, ran
     assert {op for op, _ in ran} == {"write_rows", "write_blocks", "prefill", "decode"}, ran
+
+
+def test_the_fp16_decode_body_is_the_configs_choice_on_cuda_and_refused_on_the_cpu(monkeypatch):
+    """``decode_variant="fp16"`` in the plugin's config: on CUDA (Triton's interpreter here) the decode over the
+    pages runs that body and every step equals ``PagedCache`` to fp16's operand rounding (3e-3; 3e-4 seen); on the
+    CPU, whose C decode has one body, the impl refuses it by name at construction."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=4, block_size=8, value_group_size=16,
+                      sink_dtype=torch.float32, window_dtype=torch.float32)
+    layer = Layer(cfg, monkeypatch, None, device="cuda", plugin={"decode_variant": "fp16"})
+    assert layer.impl.ops.backend == "triton" and layer.impl.ops.decode.keywords["variant"] == "fp16"
+    ran = set(_drive(layer, None, tol=3e-3, steps=_schedule()[:24]))
+    assert ("decode", "triton") in ran, ran
+    with pytest.raises(ValueError, match=r"decode_variant='fp16' selects a body of the Triton decode kernel; "
+                                         r"backend='c' has one decode"):
+        Layer(cfg, monkeypatch, None, plugin={"decode_variant": "fp16"})

@@ -31,7 +31,7 @@ transformers older than our ``[hf]`` extra needs).
 """
 from __future__ import annotations
 
-from .config import KEY, PluginConfigError, check_engine, parse_config, raw_config, to_jsonable
+from .config import KEY, PluginConfigError, check_engine, decode_variant, parse_config, raw_config, to_jsonable
 
 BACKEND_PATH = "qsinkkv.integrations.vllm.backend.QSinkKVBackend"
 _registered = False
@@ -138,4 +138,5 @@ def _validate(vllm_config) -> None:
                       max_model_len=getattr(model, "max_model_len", None), kv_heads=kv_heads,
                       tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1), positions=positions)
     cache.block_size = bs
+    decode_variant(raw, cfg, head_dim)  # (the body against the model's head_dim, now it is known)
     cache.user_specified_block_size = True

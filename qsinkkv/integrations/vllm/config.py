@@ -11,8 +11,13 @@ import dataclasses
 import torch
 
 from ...config import CacheConfig
+from ...ops import DECODE_VARIANTS, check_decode_variant
 
-KEY = "qsinkkv"  # additional_config[KEY] holds CacheConfig fields
+KEY = "qsinkkv"  # additional_config[KEY] holds CacheConfig fields, and the plugin's own (PLUGIN_FIELDS)
+# The plugin's own fields: "decode_variant", the body of the Triton decode that reads quantized blocks on CUDA
+# (kernels/decode_attention.py; "dequantize" unless the user picks another: "fp16" has the fewest instructions per KV
+# byte offline and has not run on a GPU; the CPU's C decode has one body and refuses another at start)
+PLUGIN_FIELDS = ("decode_variant",)
 _DTYPE_FIELDS = ("sink_dtype", "window_dtype", "scale_dtype")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # What this increment serves (the rest is refused at start, naming the field)
@@ -38,11 +43,11 @@ def raw_config(additional_config) -> dict | None:
 def parse_config(raw: dict) -> CacheConfig:
     """A ``CacheConfig`` from the JSON-shaped dict (dtype fields as names: ``"float32"``)."""
     known = {f.name for f in dataclasses.fields(CacheConfig)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - known - set(PLUGIN_FIELDS))
     if unknown:
         raise PluginConfigError(f"additional_config[{KEY!r}] has unknown field(s) {unknown}; the fields are "
-                                f"{sorted(known)}")
-    kwargs = dict(raw)
+                                f"{sorted(known)} and the plugin's {list(PLUGIN_FIELDS)}")
+    kwargs = {name: value for name, value in raw.items() if name not in PLUGIN_FIELDS}
     for name in _DTYPE_FIELDS:
         if name in kwargs:
             value = kwargs[name]
@@ -64,7 +69,26 @@ def parse_config(raw: dict) -> CacheConfig:
         raise PluginConfigError("CacheConfig.residual_tokens is not served inside vLLM (its pages hold the window as "
                                 "quantized blocks and one filling block per request): use residual_tokens=0, got "
                                 f"residual_tokens={cfg.residual_tokens}")
+    decode_variant(raw, cfg)  # (refused here, in the front end, naming the field)
     return cfg
+
+
+def decode_variant(raw: dict, cfg: CacheConfig, head_dim: int | None = None) -> str:
+    """The decode body the config asks for (``raw["decode_variant"]``, default "dequantize"), refused by name where
+    it does not apply: not one of ``DECODE_VARIANTS``, one other than the default at bits 16 (vLLM's own pages hold
+    no quantized block), or one the config (and ``head_dim``, where known) cannot run (``check_decode_variant``)."""
+    variant = raw.get("decode_variant", DECODE_VARIANTS[0])
+    if variant not in DECODE_VARIANTS:
+        raise PluginConfigError(f"additional_config[{KEY!r}]['decode_variant'] must be one of "
+                                f"{list(DECODE_VARIANTS)}, got {variant!r}")
+    if variant != DECODE_VARIANTS[0] and cfg.bits == 16:
+        raise PluginConfigError(f"decode_variant={variant!r} picks how the decode reads quantized blocks: bits 8 or "
+                                f"4 only, got bits=16")
+    try:
+        check_decode_variant(variant, None, None, cfg, head_dim)
+    except ValueError as e:
+        raise PluginConfigError(str(e)) from None
+    return variant
 
 
 def check_engine(cfg: CacheConfig, *, block_size: int | None, user_block_size: bool, head_dim: int | None,

@@ -43,6 +43,7 @@ from ...engine_pages import EngineStep, LayerPools, PageLayout, step_tables
 from ...layout import WindowLayout
 from ...ops import select_ops
 from . import state
+from .config import decode_variant, raw_config
 from .spec import QSinkKVSpec
 
 
@@ -92,7 +93,9 @@ class QuantImpl(AttentionImpl):
         # refusal naming what is missing (select_ops: the triton package, head_dim % 4), never the torch ops
         backend = "auto" if device.type == "cpu" else "triton"
         dtype = vllm_config.model_config.dtype
-        self.ops = select_ops(backend, device, head_size, None, dtype=dtype)
+        # the decode's body (the plugin's "decode_variant"; the CPU's C decode refuses any but the default, by name)
+        variant = decode_variant(raw_config(vllm_config.additional_config) or {}, cfg, head_size)
+        self.ops = select_ops(backend, device, head_size, None, variant, config=cfg, dtype=dtype)
         if device.type == "cpu":  # a fresh prompt through the kernel stock vLLM runs on the CPU, in the model's dtype
             from .cpu_prefill import CpuAttnPrefill  # (vLLM's CPU attention module: imported on the CPU only)
             self.ops = replace(self.ops, prefill_causal=CpuAttnPrefill(num_heads, num_kv_heads, head_size, dtype),

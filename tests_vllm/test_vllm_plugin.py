@@ -222,7 +222,10 @@ def test_chunked_prefill_past_the_window_equals_paged_cache(reference, tmp_path)
 
 @pytest.mark.parametrize("bad, field", [({"bits": 3}, "bits"), ({"sink_tokens": 4, "windw": 8}, "windw"),
                                         ({"bits": 16, "block_size": 24}, "block_size"),
-                                        ({"bits": 4, "residual_tokens": 8}, "residual_tokens")])
+                                        ({"bits": 4, "residual_tokens": 8}, "residual_tokens"),
+                                        ({"bits": 4, "decode_variant": "fast"}, "decode_variant"),
+                                        # the CPU's C decode has one body: refused in the front end
+                                        ({"bits": 4, "decode_variant": "fp16"}, "decode_variant='fp16' picks a body")])
 def test_bad_config_stops_the_engine_naming_the_field(bad, field):
     out = run_engine({"prompts": [[1, 2, 3]], "max_tokens": 2, "qsinkkv": bad}, timeout=240)
     assert "error" in out and field in out["error"], out

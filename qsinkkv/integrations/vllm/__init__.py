@@ -138,5 +138,9 @@ def _validate(vllm_config) -> None:
                       max_model_len=getattr(model, "max_model_len", None), kv_heads=kv_heads,
                       tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1), positions=positions)
     cache.block_size = bs
-    decode_variant(raw, cfg, head_dim)  # (the body against the model's head_dim, now it is known)
+    variant = decode_variant(raw, cfg, head_dim)  # (the body against the model's head_dim, now it is known)
+    from vllm.platforms import current_platform
+    if variant != "dequantize" and current_platform.is_cpu():  # (said here: a worker's error reaches no user)
+        raise PluginConfigError(f"decode_variant={variant!r} picks a body of the Triton decode, which runs on CUDA; "
+                                f"on the CPU the C decode has one body: leave decode_variant out")
     cache.user_specified_block_size = True

@@ -88,6 +88,11 @@ def profile(engine: str, batch: int, tokens: int, prompt_tokens: int | None = No
     if engine == "stock":  # stock writes its pages outside the forward: its layer call is both
         timed(Impl, "do_kv_cache_update", "stock's page write",
               tokens=lambda args, kw: (args[2] if len(args) > 2 else kw["key"]).shape[0])
+    if engine in ("8", "4"):  # the forward's parts: the step's own call, and in it the fused C step's
+        from qsinkkv.decode_c import EngineDecode
+        from qsinkkv.engine_pages import EngineStep
+        timed(EngineStep, "attend", "EngineStep.attend")
+        timed(EngineDecode, "run", "EngineDecode.run")
     if engine == "16":  # the forward's parts: the write into vLLM's pages, the decode rows' call
         timed(Impl, "_write", "bits16 write")
         timed(Impl, "_decode", "bits16 decode rows")

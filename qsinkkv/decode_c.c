@@ -208,36 +208,51 @@ static inline int64_t seen_rows(const float *bias, int64_t n, int64_t *restrict 
 #ifdef __AVX__
 /* lane j: the sum of a[j]'s lanes (eight rows' dot products reduced together: a fraction of eight hsums) */
 static inline v8 hsum8(const vr *a) {
-    __m256 f[8];
-    for (int j = 0; j < 8; j++) {
 #if LANES == 16
-        v8 lo, hi;
-        memcpy(&lo, &a[j], 32);
-        memcpy(&hi, (const char *)&a[j] + 32, 32);
-        f[j] = (__m256)(lo + hi);
+    /* a transposing tree over whole 512-bit vectors: pairs of rows share a vector, each holding half of each's
+     * partial sums, then a quarter, then (within 128-bit lanes) one: 24 instructions for the eight (splitting each
+     * row into two 256-bit halves first took ~40) */
+    __m512 t[4], u[2];
+    for (int j = 0; j < 4; j++)  /* t[j]: lanes 0-7 row 2j's halves added, lanes 8-15 row 2j+1's */
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[2 * j], (__m512)a[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4((__m512)a[2 * j], (__m512)a[2 * j + 1], 0xEE));
+    for (int j = 0; j < 2; j++)  /* u[j]: 128-bit lane k holds four partial sums of row 4j + k */
+        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+    /* lane k: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of rows k (x) and k + 4 (y), then their halves added */
+    const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    const __m512 s = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));  /* lane k: [s_k, s_k+4, s_k, s_k+4] */
+    const __m512 order = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), s);
+    return (v8)_mm512_castps512_ps256(order);
 #else
-        f[j] = (__m256)a[j];
-#endif
-    }
+    __m256 f[8];
+    for (int j = 0; j < 8; j++) f[j] = (__m256)a[j];
     /* hadd pairs within 128-bit halves: u0 = [sums of f0..f3 over lanes 0-3 | over lanes 4-7], u1 for f4..f7 */
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(f[4], f[5]), _mm256_hadd_ps(f[6], f[7]));
     return (v8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#endif
 }
 #endif
 
-/* Chunk v (LANES channels) of one row of int8 codes as floats, in registers: the floats `unpack` writes, without
- * the trip through memory (int8 rows only: for int4 it measured no faster, as each byte's two nibbles belong to
- * chunks far apart in the sums' order: benchmarks/decode_c_versions.py). Needs D a multiple of
- * LANES (`codes_in_registers`). */
-static inline __attribute__((always_inline)) vr code_chunk(const uint8_t *row, int64_t v) {
+/* Chunk v (LANES channels) of one row of codes as floats, in registers: the floats `unpack` writes, without the trip
+ * through memory. `half` 0: int8 codes (needs D a multiple of LANES); else int4, `half` the chunks of a row's low
+ * nibbles (D / 2 / LANES: byte j holds channel j low, j + D / 2 high, so chunk v >= half is the high nibbles of the
+ * bytes chunk v - half reads; needs D a multiple of 2 * LANES). See `codes_in_registers`. */
+static inline __attribute__((always_inline)) vr code_chunk(const uint8_t *row, int64_t v, int64_t half) {
+    const int high = half && v >= half;
+    const uint8_t *at = row + (high ? v - half : v) * LANES;
 #if LANES == 16
-    return (vr)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + v * LANES))));
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
+    if (!half) return (vr)_mm512_cvtepi32_ps(x);
+    return (vr)_mm512_cvtepi32_ps(high ? _mm512_srli_epi32(x, 4) : _mm512_and_si512(x, _mm512_set1_epi32(15)));
 #elif defined(__AVX2__)
-    return (vr)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + v * LANES))));
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at));
+    if (!half) return (vr)_mm256_cvtepi32_ps(x);
+    return (vr)_mm256_cvtepi32_ps(high ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(15)));
 #else
     vr out;
-    for (int d = 0; d < LANES; d++) out[d] = (float)row[v * LANES + d];
+    for (int d = 0; d < LANES; d++) out[d] = (float)(!half ? at[d] : high ? at[d] >> 4 : at[d] & 15);
     return out;
 #endif
 }
@@ -260,13 +275,14 @@ static inline __attribute__((always_inline)) vr code_chunk(const uint8_t *row, i
  * chains (not one chain of Vn multiply-adds per row, whose latency held the loop), reduced eight at a time */
 static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, const float *restrict rows, int64_t Dp,
                                                             float (*restrict qx)[MAX_D], const float *qz, float *sc,
-                                                            int64_t Ns, int64_t Vn, const uint8_t *const *code_rows) {
+                                                            int64_t Ns, int64_t Vn, const uint8_t *const *code_rows,
+                                                            int64_t half) {
     vr p[SCORE_HEADS][8];
     for (int64_t g = 0; g < NG; g++)
         for (int j = 0; j < 8; j++) p[g][j] = (vr){0};
     for (int64_t v = 0; v < Vn; v++)
-        for (int j = 0; j < 8; j++) {  /* rows[j], or with code_rows the int8 codes of row j (code_chunk) */
-            const vr x = code_rows ? code_chunk(code_rows[j], v) : VR(rows + j * Dp)[v];
+        for (int j = 0; j < 8; j++) {  /* rows[j], or with code_rows the codes of row j (code_chunk) */
+            const vr x = code_rows ? code_chunk(code_rows[j], v, half) : VR(rows + j * Dp)[v];
             for (int64_t g = 0; g < NG; g++) p[g][j] += VR(qx[g])[v] * x;
         }
     for (int64_t g = 0; g < NG; g++) {
@@ -283,7 +299,7 @@ static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, co
  * in registers; a row left over from the eights is unpacked into rows[i] first (the same floats). */
 static inline void score_rows(int64_t ng, int64_t n, float *rows, int64_t Dp, float (*qx)[MAX_D],
                               const float *qz, float *sc, int64_t Ns, int64_t Vn,
-                              const uint8_t *const *code_rows, int64_t D) {
+                              const uint8_t *const *code_rows, int64_t half, int64_t D) {
     int64_t i = 0;
 #ifdef __AVX__
     for (; i + 8 <= n; i += 8)
@@ -293,19 +309,22 @@ static inline void score_rows(int64_t ng, int64_t n, float *rows, int64_t Dp, fl
             float *out = sc + g * Ns + i;
             /* (each source its own inlined copy: the float rows' loop keeps no test of code_rows) */
             switch (ng - g < SCORE_HEADS ? ng - g : SCORE_HEADS) {
-            case 1: cr ? score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, cr)
-                       : score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, NULL); break;
+            case 1: cr && half ? score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, cr, half)
+                  : cr ? score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, cr, 0)
+                       : score8_ng(1, r, Dp, qx + g, z, out, Ns, Vn, NULL, 0); break;
 #if SCORE_HEADS == 3
-            case 2: cr ? score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn, cr)
-                       : score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn, NULL); break;
-            case 3: cr ? score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn, cr)
-                       : score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn, NULL); break;
+            case 2: cr && half ? score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn, cr, half)
+                  : cr ? score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn, cr, 0)
+                       : score8_ng(2, r, Dp, qx + g, z, out, Ns, Vn, NULL, 0); break;
+            case 3: cr && half ? score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn, cr, half)
+                  : cr ? score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn, cr, 0)
+                       : score8_ng(3, r, Dp, qx + g, z, out, Ns, Vn, NULL, 0); break;
 #endif
             }
         }
 #endif
     for (; i < n; i++) {
-        if (code_rows) unpack(code_rows[i], 8, D, rows + i * Dp);
+        if (code_rows) unpack(code_rows[i], half ? 4 : 8, D, rows + i * Dp);
         for (int64_t g = 0; g < ng; g++) {
             const float s = dot(qx[g], rows + i * Dp, Vn);
             sc[g * Ns + i] = qz ? s + qz[g] : s;
@@ -320,18 +339,19 @@ static inline void score_rows(int64_t ng, int64_t n, float *rows, int64_t Dp, fl
 static inline __attribute__((always_inline)) void accumulate_tile(
         const int64_t NG, const int64_t CT, int64_t c0, int64_t n, const float *restrict rows, int64_t Dp,
         const float *restrict w, int64_t R, const float *restrict scale, const float *restrict zero, int64_t K,
-        int64_t cpk, float (*restrict acc)[MAX_D], const uint8_t *const *code_rows) {
+        int64_t cpk, float (*restrict acc)[MAX_D], const uint8_t *const *code_rows, int64_t half) {
     vr r[VALUE_HEADS][VALUE_TILE];
-    int64_t k[VALUE_TILE];
+    int64_t k[VALUE_TILE], group = scale ? c0 / cpk : 0, left = scale ? cpk - c0 % cpk : 0;  /* (one division) */
     for (int64_t t = 0; t < CT; t++) {
-        k[t] = scale ? (c0 + t) / cpk : 0;
+        k[t] = group;
+        if (--left == 0) group++, left = cpk;
         for (int64_t g = 0; g < NG; g++) r[g][t] = (vr){0};
     }
     for (int64_t i = 0; i < n; i++) {
         vr wi[VALUE_HEADS];
         for (int64_t g = 0; g < NG; g++) wi[g] = (vr){0} + w[g * R + i];
         for (int64_t t = 0; t < CT; t++) {
-            vr x = code_rows ? code_chunk(code_rows[i], c0 + t) : VR(rows + i * Dp)[c0 + t];
+            vr x = code_rows ? code_chunk(code_rows[i], c0 + t, half) : VR(rows + i * Dp)[c0 + t];
             if (scale) x = x * scale[i * K + k[t]] + zero[i * K + k[t]];
             for (int64_t g = 0; g < NG; g++) r[g][t] += wi[g] * x;
         }
@@ -342,11 +362,12 @@ static inline __attribute__((always_inline)) void accumulate_tile(
 
 static inline __attribute__((always_inline)) void accumulate_ng(
         const int64_t NG, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R, const float *scale,
-        const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D], const uint8_t *const *code_rows) {
+        const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D], const uint8_t *const *code_rows,
+        int64_t half) {
     int64_t c = 0;
     for (; c + VALUE_TILE <= Vn; c += VALUE_TILE)
-        accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows);
-    for (; c < Vn; c++) accumulate_tile(NG, 1, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows);
+        accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows, half);
+    for (; c < Vn; c++) accumulate_tile(NG, 1, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows, half);
 }
 
 /* acc[g] += sum_i w[g * R + i] * x_i for the ng heads, VALUE_HEADS at a time (each sum the same whatever the pass:
@@ -354,15 +375,16 @@ static inline __attribute__((always_inline)) void accumulate_ng(
  * rows are int8 codes widened in registers (code_chunk), dequantized there: the same floats as unpacked rows */
 static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R,
                        const float *scale, const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D],
-                       const uint8_t *const *code_rows) {
+                       const uint8_t *const *code_rows, int64_t half) {
     for (int64_t g = 0; g < ng; g += VALUE_HEADS) {
         const float *wg = w + g * R;
         switch (ng - g < VALUE_HEADS ? ng - g : VALUE_HEADS) {
 #define CASE(NG) \
         case NG: \
-            if (code_rows) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, code_rows); \
-            else if (scale) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, NULL); \
-            else accumulate_ng(NG, n, rows, Dp, wg, R, NULL, NULL, 1, 1, Vn, acc + g, NULL); \
+            if (code_rows && half) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, code_rows, half); \
+            else if (code_rows) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, code_rows, 0); \
+            else if (scale) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, NULL, 0); \
+            else accumulate_ng(NG, n, rows, Dp, wg, R, NULL, NULL, 1, 1, Vn, acc + g, NULL, 0); \
             break;
             CASE(1) CASE(2) CASE(3)
 #undef CASE
@@ -417,23 +439,26 @@ static inline void prefetch_bytes(const void *p, int64_t n) {
     }
 }
 
-static void prefetch_unit(const Args *a, int64_t u) {
-    const int64_t h = u / a->B, b = u % a->B, D = a->D, bs = a->bs, S = a->S;
+/* quantized block j of unit u: its codes and scales */
+static void prefetch_block(const Args *a, int64_t u, int64_t j) {
+    const int64_t h = u / a->B, b = u % a->B, D = a->D, bs = a->bs, blk = a->quant_table[b * a->quant_slots + j];
     const int64_t Dc = a->bits == 4 ? D / 2 : D, se = elem_bytes(a->scale_dtype), groups = a->groups;
+    if (blk < 0) return;
+    prefetch_bytes(a->key_codes + AT(KEY_CODES, h, blk), bs * Dc);
+    prefetch_bytes(a->value_codes + AT(VALUE_CODES, h, blk), bs * Dc);
+    prefetch_bytes((const char *)a->key_scale + AT(KEY_SCALE, h, blk) * se, D * se);
+    prefetch_bytes((const char *)a->key_zero + AT(KEY_ZERO, h, blk) * se, D * se);
+    prefetch_bytes((const char *)a->value_scale + AT(VALUE_SCALE, h, blk) * se, bs * groups * se);
+    prefetch_bytes((const char *)a->value_zero + AT(VALUE_ZERO, h, blk) * se, bs * groups * se);
+}
+
+/* unit u's sink rows and float-ring rows */
+static void prefetch_edges(const Args *a, int64_t u) {
+    const int64_t h = u / a->B, b = u % a->B, D = a->D, S = a->S;
     if (S) {
         const int64_t page = a->sink_table[b], n = S * D * elem_bytes(a->sink_dtype);
         prefetch_bytes((const char *)a->sink_k + AT(SINK_K, h, page) * elem_bytes(a->sink_dtype), n);
         prefetch_bytes((const char *)a->sink_v + AT(SINK_V, h, page) * elem_bytes(a->sink_dtype), n);
-    }
-    for (int64_t j = 0; j < a->quant_slots; j++) {
-        const int64_t blk = a->quant_table[b * a->quant_slots + j];
-        if (blk < 0) continue;
-        prefetch_bytes(a->key_codes + AT(KEY_CODES, h, blk), bs * Dc);
-        prefetch_bytes(a->value_codes + AT(VALUE_CODES, h, blk), bs * Dc);
-        prefetch_bytes((const char *)a->key_scale + AT(KEY_SCALE, h, blk) * se, D * se);
-        prefetch_bytes((const char *)a->key_zero + AT(KEY_ZERO, h, blk) * se, D * se);
-        prefetch_bytes((const char *)a->value_scale + AT(VALUE_SCALE, h, blk) * se, bs * groups * se);
-        prefetch_bytes((const char *)a->value_zero + AT(VALUE_ZERO, h, blk) * se, bs * groups * se);
     }
     const int64_t we = elem_bytes(a->window_dtype);
     for (int64_t f = 0; f < a->float_slots; f++) {
@@ -450,13 +475,15 @@ static void prefetch_unit(const Args *a, int64_t u) {
  * rows each), so both give the same bits. */
 static int64_t float_seen(const Args *a, int64_t b, const float *bias, int64_t r0, int64_t m, int64_t *idx,
                           int64_t *fblk) {
-    const int64_t n = seen_rows(bias, m, idx);
-    int64_t kept = 0;
+    const int64_t n = seen_rows(bias, m, idx), fr = a->fr, *table = a->float_table + b * a->float_slots;
+    int64_t kept = 0, slot = r0 / fr, start = slot * fr;  /* the rows ascend: one division, not two a row */
     for (int64_t i = 0; i < n; i++) {
-        const int64_t r = r0 + idx[i], blk = a->float_table[b * a->float_slots + r / a->fr];
+        const int64_t r = r0 + idx[i];
+        while (r >= start + fr) slot++, start += fr;
+        const int64_t blk = table[slot];
         if (blk < 0) continue;
         fblk[kept] = blk;
-        idx[kept++] = r % a->fr;
+        idx[kept++] = r - start;
     }
     return kept;
 }
@@ -475,16 +502,28 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
     const int64_t Vn = (D + LANES - 1) / LANES, Dp = Vn * LANES, groups = a->groups, gsz = groups ? D / groups : D;
     /* value groups of whole vectors are dequantized in registers as they are added; others row by row first */
     const int in_registers = groups && gsz % LANES == 0;
-    /* int8 codes of whole vectors are widened in registers as they are used (code_chunk); others unpacked into rows */
-    const int bits = (int)a->bits, codes_in_registers = bits == 8 && D % LANES == 0;
+    /* codes of whole vectors are widened in registers as they are used (code_chunk); others unpacked into rows. int4
+     * only where one pass covers the query heads: each pass widens the codes again, and a nibble takes a mask or a
+     * shift more than a byte (with 4 heads a KV head, D 128, it measured 1.0-1.1x the unpacked rows' time; with 3,
+     * D 64, 0.92x: benchmarks/decode_c_versions.py) */
+    const int bits = (int)a->bits;
+    const int codes_in_registers = bits == 8 ? D % LANES == 0
+                                             : bits == 4 && D % (2 * LANES) == 0 && G <= SCORE_HEADS && G <= VALUE_HEADS;
+    const int64_t half = bits == 4 ? Vn / 2 : 0;  /* code_chunk's: the chunks of an int4 row's low nibbles */
     /* zeroed once: nothing below writes past D, so the padding stays 0 */
     float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ALIGN kz[MAX_D] = {0}, ks[MAX_D],
           qz[8];
-    if (u0 < u1) prefetch_unit(a, u0);
+    if (u0 < u1) {
+        prefetch_edges(a, u0);
+        for (int64_t j = 0; j < nq; j++) prefetch_block(a, u0, j);
+    }
     for (int64_t u = u0; u < u1; u++) {
         const int64_t h = u / a->B, b = u % a->B;
         const float *bias = a->bias + b * N;
-        if (u + 1 < u1) prefetch_unit(a, u + 1);
+        /* the next unit's bytes are asked for a block at a time as this unit's keys go (all at once, the requests
+         * queued up and stalled the loop that issued them) */
+        const int ahead = u + 1 < u1;
+        if (ahead) prefetch_edges(a, u + 1);
         for (int64_t g0 = 0; g0 < G; g0 += 8) {  /* query heads 8 at a time */
             const int64_t ng = G - g0 < 8 ? G - g0 : 8;
             for (int64_t g = 0; g < ng; g++) {
@@ -498,10 +537,11 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             const int64_t page = S ? a->sink_table[b] : 0;
             int64_t n = seen_rows(bias, S, idx);
             for (int64_t i = 0; i < n; i++) load(a->sink_k, a->sink_dtype, AT(SINK_K, h, page) + idx[i] * D, D, rows + i * Dp);
-            score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn, NULL, D);
+            score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn, NULL, 0, D);
             c += n;
             /* keys: quantized ring, the scales folded into the query once per block */
             for (int64_t j = 0; j < nq; j++) {
+                if (ahead && g0 == 0) prefetch_block(a, u + 1, j);
                 const int64_t blk = a->quant_table[b * nq + j];
                 if (blk < 0 || !(n = seen_rows(bias + S + j * bs, bs, idx))) continue;
                 load(a->key_scale, a->scale_dtype, AT(KEY_SCALE, h, blk), D, ks);
@@ -513,10 +553,10 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                 const uint8_t *codes = a->key_codes + AT(KEY_CODES, h, blk);
                 if (codes_in_registers) {
                     for (int64_t i = 0; i < n; i++) crow[i] = codes + idx[i] * Dc;
-                    score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn, crow, D);
+                    score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn, crow, half, D);
                 } else {
                     for (int64_t i = 0; i < n; i++) unpack(codes + idx[i] * Dc, bits, D, rows + i * Dp);
-                    score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn, NULL, D);
+                    score_rows(ng, n, rows, Dp, qs, qz, sc + c, Ns, Vn, NULL, 0, D);
                 }
                 c += n;
             }
@@ -526,7 +566,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                     continue;
                 for (int64_t i = 0; i < n; i++)
                     load(a->float_k, a->window_dtype, AT(FLOAT_K, h, fblk[i]) + idx[i] * D, D, rows + i * Dp);
-                score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn, NULL, D);
+                score_rows(ng, n, rows, Dp, qg, NULL, sc + c, Ns, Vn, NULL, 0, D);
                 c += n;
             }
             /* softmax over the c seen scores (unnormalized; a learned sink logit adds a term with no value) */
@@ -554,7 +594,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             c = 0;
             n = seen_rows(bias, S, idx);
             for (int64_t i = 0; i < n; i++) load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + idx[i] * D, D, rows + i * Dp);
-            accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL);
+            accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL, 0);
             c += n;
             for (int64_t j = 0; j < nq; j++) {
                 const int64_t blk = a->quant_table[b * nq + j];
@@ -581,8 +621,8 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                 }
                 if (in_registers)
                     accumulate(ng, n, rows, Dp, sc + c, Ns, vs, vz, groups, gsz / LANES, Vn, acc,
-                               widen_there ? crow : NULL);
-                else accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL);
+                               widen_there ? crow : NULL, half);
+                else accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL, 0);
                 c += n;
             }
             for (int64_t r0 = 0; r0 < F; r0 += bs) {
@@ -590,7 +630,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                     continue;
                 for (int64_t i = 0; i < n; i++)
                     load(a->float_v, a->window_dtype, AT(FLOAT_V, h, fblk[i]) + idx[i] * D, D, rows + i * Dp);
-                accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL);
+                accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL, 0);
                 c += n;
             }
             for (int64_t g = 0; g < ng; g++) {

@@ -124,16 +124,19 @@ def causal_context(rows: LayerStorage) -> Context:
 
 
 def prefill_causal_packed(q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int],
-                          context: Context | None = None, *, scale: float | None = None) -> Tensor:
+                          context: Context | None = None, *, scale: float | None = None,
+                          out: Tensor | None = None) -> Tensor:
     """A packed step's rows whose visible set is the causal mask -- each held ``context.held[i]`` tokens (none
     without ``context``) and brings ``lens[i]``, at most S + W in all, so every query sees every position up to
     its own -- read where they lie (``q [N, H, D]``, ``k, v [N, Hkv, D]``, row i's at ``[starts[i], starts[i] +
     lens[i])``) after their ``context`` (what they held, dequantized: the reference's stored keys): causal SDPA
     row by row in float32 (float64 for float64 inputs), as ``prefill_attention_torch``'s own path for such a row
-    -> ``[sum(lens), H, D]`` in q's dtype, the rows' tokens in order."""
+    -> ``[sum(lens), H, D]`` in q's dtype, the rows' tokens in order (written into ``out``, such a tensor, if
+    given)."""
     trace.ran("prefill_causal", "torch")
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = q.new_empty((sum(lens), *q.shape[1:]))
+    if out is None or out.shape != (sum(lens), *q.shape[1:]) or out.dtype != q.dtype:
+        out = q.new_empty((sum(lens), *q.shape[1:]))
     at = 0
     for i, (s, t) in enumerate(zip(starts, lens)):
         rows = [y[s:s + t].transpose(0, 1).unsqueeze(0) for y in (q, k, v)]  # [1, heads, t, D] views

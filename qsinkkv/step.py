@@ -128,8 +128,12 @@ def run(ops, plan: StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor 
     if prepare is not None:
         prepare()
     multi_out = one_out = None
+    if q is not None and plan.packed:  # the step's output; a step of prefilling rows only, in token order, is the
+        # longer rows' own: their kernel may write it itself
+        out = q.new_empty(q.shape) if out is None else out
     if q is not None and plan.multi:
-        multi_out = _prefill(ops, plan, groups, read, scale, sink_logits)
+        whole = out if plan.packed and not plan.one and sum(plan.multi_lens) == q.shape[0] else None
+        multi_out = _prefill(ops, plan, groups, read, scale, sink_logits, whole)
     keep_undo = undo_to is not None
     before = store.seq_lens.clone() if keep_undo else None
     saved = write.commit(store, plan.write, *tokens(plan, groups), ops.quantizer, ops.writer, keep_undo) \
@@ -143,17 +147,17 @@ def run(ops, plan: StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor 
         one_out = ops.decode(groups.q_one, store if every_row else store.select_rows(plan.one), scale=scale,
                              sink_logits=sink_logits)
     if plan.packed:
-        return scatter_packed(q.new_empty(q.shape) if out is None else out, plan.query_start_loc, groups, one_out,
-                              multi_out)
+        return scatter_packed(out, plan.query_start_loc, groups, one_out, multi_out)
     return scatter_padded(q, groups, one_out, multi_out)
 
 
 def _prefill(ops, plan: StepPlan, groups: Split, read: LayerStorage, scale: float | None,
-             sink_logits: Tensor | None) -> Tensor:
+             sink_logits: Tensor | None, out: Tensor | None = None) -> Tensor:
     """The longer rows' output: ``[len(multi), H, T_multi, D]`` for a padded step, their tokens ``[sum(multi_lens),
     H, D]`` row by row for a packed one. A packed step whose longer rows see just the causal mask (``plan.causal``)
     takes ``ops.prefill_causal`` on the tokens where they lie, after what the rows held (``prefill.causal_context``;
-    none when each starts fresh)."""
+    none when each starts fresh), written into ``out`` (the step's ``[N, H, D]``, every token a longer row's) where
+    the kernel can."""
     def rows() -> LayerStorage:  # the longer rows' storage (every row in order: the storage as it lies)
         return read if len(plan.multi) == read.batch_size else read.select_rows(plan.multi)
 
@@ -161,7 +165,7 @@ def _prefill(ops, plan: StepPlan, groups: Split, read: LayerStorage, scale: floa
         q, k, v = groups.packed
         context = causal_context(rows()) if plan.multi_held else None
         return ops.prefill_causal(q, k, v, plan.query_start_loc[plan.multi].tolist(), plan.multi_lens, context,
-                                  scale=scale)
+                                  scale=scale, out=out)
     out = ops.prefill(*groups.multi_chunk(), rows(), torch.tensor(plan.multi_lens), scale=scale,
                       sink_logits=sink_logits)
     if plan.packed:  # [n, H, T, D] -> the real tokens, row by row
@@ -191,7 +195,7 @@ def scatter_packed(out: Tensor, qsl: Tensor, split: Split, one_out: Tensor | Non
     if split.one and len(split.one) == out.shape[0]:  # a decode step: row order is token order
         return out.copy_(one_out)
     if split.multi and not split.one and sum(split.multi_lens) == out.shape[0]:  # every token a longer row's, in order
-        return out.copy_(multi_out)
+        return out if multi_out is out else out.copy_(multi_out)
     if split.one:
         out.index_copy_(0, qsl[split.one].to(out.device), one_out)
     if split.multi:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import HKV, D, G, assert_unchanged, run_rows, snapshot
 
-from qsinkkv import CacheConfig, SinkQuantCache
+from qsinkkv import CacheConfig, SinkQuantCache, checks
 from qsinkkv.paged import PagedCache
 
 B, H = 2, HKV * G
@@ -334,3 +334,23 @@ def test_bad_query_start_loc_is_named_and_changes_nothing(qsl):
         pool.attend(0, *(torch.randn(2, h, 1, D) for h in (HKV * G, HKV, HKV)),
                     lengths=torch.ones(2, dtype=torch.int64, device="meta"))
     assert_unchanged(pool, snap)
+
+
+@pytest.mark.parametrize("where", ["none", "q", "k", "v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e38])
+def test_q_k_v_read_as_one_buffer_give_each_tensors_own_answer(where, value):
+    """An engine's q, k, v are column slices of one fused qkv row: ``peaks_fit`` reads them in one pass. Its answer
+    must be each tensor's own (as separate copies give it), whatever tensor holds a NaN, an inf or a value past k's
+    and v's bound (q may hold that); slices that are not q | k | v of one row take the per-tensor path."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=30, bits=4, block_size=8, value_group_size=8,
+                      sink_dtype=torch.bfloat16, window_dtype=torch.bfloat16)
+    H, Hkv, D, N = 6, 2, 16, 11
+    qkv = torch.randn(N, (H + 2 * Hkv) * D + 8, generator=torch.Generator().manual_seed(0)).bfloat16()[:, 8:]
+    q, k, v = (qkv[:, a:b].view(N, -1, D) for a, b in ((0, H * D), (H * D, (H + Hkv) * D), ((H + Hkv) * D, None)))
+    assert checks._one_buffer(q, k, v) is not None
+    assert checks._one_buffer(q, v, k) is None and checks._one_buffer(q, k, v.clone()) is None
+    if where != "none":
+        {"q": q, "k": k, "v": v}[where][N - 1, -1, 3] = value
+    expect = checks.peaks_fit(k.clone(), v.clone(), q.clone(), None, cfg)
+    assert checks.peaks_fit(k, v, q, None, cfg) == expect
+    assert all(expect.values()) == (where == "none" or (where == "q" and value == 1e38))

@@ -67,6 +67,8 @@ def test_positions_past_2_31_and_empty_rows(bits):
 
 @pytest.mark.parametrize("bits, head_dim, group, heads", [
     (4, 64, 32, 9),   # value groups of whole vectors (dequantized in registers), > 8 query heads (two passes)
+    (4, 64, 32, 3),   # int4 codes widened in registers (one pass of heads), both nibbles of a byte
+    (4, 128, 128, 2),  # the same over 128 channels: low nibbles in chunks 0-3, high in 4-7
     (8, 64, 8, 3),    # groups narrower than a vector on AVX-512 (dequantized row by row first)
     (4, 12, 6, 2),    # int4 halves of 6 codes (no whole vector): the scalar unpack; rows padded past D
     (8, 24, 24, 5),   # int8 rows of 24 codes: whole 8-code loads and a padded tail

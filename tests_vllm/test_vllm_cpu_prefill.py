@@ -101,3 +101,22 @@ def test_refuses_another_dtype_or_shape_by_name():
     q, k, v, _ = _step(torch.bfloat16)
     with pytest.raises(ValueError, match=r"q must be \[N, 6, 64\]"):
         prefill(q[:, :3], k, v, [0], [LENS[0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_as_a_slice_of_the_fused_qkv_reads_as_a_contiguous_copy(dtype):
+    """vLLM hands q, k, v as column slices of one qkv row (rows ``(H + 2 Hkv) D`` apart): the kernel reads q's rows
+    in place (as stock passes them); the bits equal those of contiguous copies, rows in one run (q read as it lies)
+    and not (gathered)."""
+    g = torch.Generator().manual_seed(5)
+    N = sum(LENS)
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q, k, v = qkv[:, :H * D].view(N, H, D), qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D), qkv[:, (H + Hkv) * D:].view(
+        N, Hkv, D)
+    starts = torch.tensor([0, *LENS]).cumsum(0).tolist()
+    for rows in (range(len(LENS)), FRESH):
+        at, lens = [starts[r] for r in rows], [LENS[r] for r in rows]
+        got = CpuAttnPrefill(H, Hkv, D, dtype)(q, k, v, at, lens, scale=0.3)
+        expect = CpuAttnPrefill(H, Hkv, D, dtype)(q.contiguous(), k.contiguous(), v.contiguous(), at, lens, scale=0.3)
+        assert torch.equal(got, expect)
+        assert (got[:LENS[0]].double() - _oracle(q, k, v, 0, LENS[0], 0.3)).abs().max() < TOL[dtype]

@@ -28,22 +28,25 @@ from ... import trace
 from ...prefill import Context
 
 BLOCK = 32  # tokens per scratch block (CPU_ATTN's block size for its vector ISAs)
+# The last step's rows and their scratch, shared by every layer's instance: a layer rewrites every slot it reads
+# (what its rows held, then its new tokens) before its kernel reads them, and the layers of a step run one by one.
+_last: tuple[tuple, _Scratch] | None = None
 
 
 class CpuAttnPrefill:
     """``Ops.prefill_causal`` on vLLM's CPU build: ``(q [N, H, D], k, v [N, Hkv, D], starts, lens, context, *,
     scale)``, row i's tokens at ``[starts[i], starts[i] + lens[i])`` of the packed step after the ``context.held[i]``
     it held (``prefill.Context``: dequantized, rounded to the model's dtype here; None: every row fresh) ->
-    ``[sum(lens), H, D]`` in q's dtype, the rows' tokens in order. ``dtype``: the model's (the kernel's ISA is
+    ``[sum(lens), H, D]`` in q's dtype, the rows' tokens in order (into ``out``, such a contiguous tensor, if given).
+    ``dtype``: the model's (the kernel's ISA is
     chosen for it once; another dtype is refused)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         self.isa = _get_attn_isa(dtype, BLOCK, head_dim)
-        self._step: tuple[tuple, _Scratch] | None = None  # the last step's rows and their scratch
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, starts: list[int], lens: list[int],
-                 context: Context | None = None, *, scale: float | None = None) -> Tensor:
+                 context: Context | None = None, *, scale: float | None = None, out: Tensor | None = None) -> Tensor:
         trace.ran("prefill_causal", "vllm_cpu")
         if q.dtype != self.dtype or k.dtype != self.dtype or v.dtype != self.dtype:
             raise ValueError(f"vLLM's CPU prefill kernel was set up for {self.dtype}, got q, k, v of "
@@ -52,18 +55,24 @@ class CpuAttnPrefill:
             raise ValueError(f"q must be [N, {self.num_heads}, {self.head_dim}] and k, v [N, {self.num_kv_heads}, "
                              f"{self.head_dim}], got {tuple(q.shape)}, {tuple(k.shape)}")
         held = context.held if context is not None else [0] * len(lens)
-        key = (tuple(starts), tuple(lens), tuple(held), k.shape[0])
-        if self._step is None or self._step[0] != key:
-            self._step = (key, _Scratch(self, starts, lens, held, k.shape[0]))
-        s = self._step[1]
+        global _last
+        key = (tuple(starts), tuple(lens), tuple(held), k.shape[0], self.num_heads, self.num_kv_heads, self.head_dim,
+               self.dtype, self.isa)
+        if _last is None or _last[0] != key:  # (each layer has its own instance: the scratch is the step's)
+            _last = (key, _Scratch(self, starts, lens, held, k.shape[0]))
+        s = _last[1]
         if s.context_slots is not None:  # what the rows held, packed row by row, in the model's dtype
             real = torch.arange(context.k.shape[2]) < torch.tensor(held).unsqueeze(1)          # [n, C]
             stored = [x.transpose(1, 2)[real].to(self.dtype) for x in (context.k, context.v)]  # [sum(held), Hkv, D]
             cpu_ops.cpu_attn_reshape_and_cache(*stored, s.key_cache, s.value_cache, s.context_slots, self.isa)
         cpu_ops.cpu_attn_reshape_and_cache(k, v, s.key_cache, s.value_cache, s.slot_mapping, self.isa)
         query = q.narrow(0, starts[0], s.tokens) if s.one_run else q.index_select(0, s.tokens_at)
-        out = q.new_empty((s.tokens, self.num_heads, self.head_dim))
-        cpu_ops.cpu_attention_with_kv_cache(query=query.contiguous(), key_cache=s.key_cache, value_cache=s.value_cache,
+        if (out is None or out.shape != (s.tokens, self.num_heads, self.head_dim) or out.dtype != q.dtype
+                or not out.is_contiguous()):  # (the kernel writes rows of H x D densely, in q's dtype)
+            out = q.new_empty((s.tokens, self.num_heads, self.head_dim))
+        if query.stride(2) != 1 or query.stride(1) != self.head_dim:  # (rows any stride apart, as stock hands them)
+            query = query.contiguous()
+        cpu_ops.cpu_attention_with_kv_cache(query=query, key_cache=s.key_cache, value_cache=s.value_cache,
                                         output=out, query_start_loc=s.query_start_loc, seq_lens=s.seq_lens,
                                         scale=self.head_dim ** -0.5 if scale is None else float(scale), causal=True,
                                         alibi_slopes=None, sliding_window=-1, block_table=s.block_table, softcap=0.0,

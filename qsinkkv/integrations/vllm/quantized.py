@@ -100,7 +100,7 @@ class QuantImpl(AttentionImpl):
             from .cpu_prefill import CpuAttnPrefill  # (vLLM's CPU attention module: imported on the CPU only)
             self.ops = replace(self.ops, prefill_causal=CpuAttnPrefill(num_heads, num_kv_heads, head_size, dtype),
                                kernels={**self.ops.kernels, "prefill_causal": "vllm_cpu"})
-        self._layer = None  # (the kv_cache tensor's place and shape, the LayerPools over it)
+        self._layer = None  # (the kv_cache tensor, its place and shape, the LayerPools over it)
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                 attn_metadata: QuantMetadata | None, output: Tensor, output_scale: Tensor | None = None,
@@ -111,10 +111,16 @@ class QuantImpl(AttentionImpl):
             return output
         n = attn_metadata.num_actual_tokens
         H, D = self.num_heads, self.head_size
-        into = output.view(-1, H, D)[:n]
-        into = into if into.is_contiguous() else None
-        out = attn_metadata.step.attend(self.ops, self._pools(kv_cache), query[:n].view(n, H, D), key[:n], value[:n],
-                                        scale=self.scale, sink_logits=sink_logits(self.sinks), out=into)
+        if output.shape == (n, H, D) and query.shape == (n, H, D) and key.shape[0] == n and output.is_contiguous():
+            # (vLLM's own call: [tokens, heads, head_size] views, no padding rows; each view op skipped here is
+            # ~10 us a layer call inside the engine, where the model's matmuls leave it cold in the caches)
+            q, k, v, into = query, key, value, output
+        else:
+            q, k, v = query[:n].view(n, H, D), key[:n], value[:n]
+            into = output.view(-1, H, D)[:n]
+            into = into if into.is_contiguous() else None
+        out = attn_metadata.step.attend(self.ops, self._pools(kv_cache), q, k, v, scale=self.scale,
+                                        sink_logits=sink_logits(self.sinks), out=into)
         if into is None:
             output.view(-1, H, D)[:n] = out.to(output.dtype)
         return output
@@ -123,10 +129,14 @@ class QuantImpl(AttentionImpl):
         """This layer's pools: over its pages (``kv_cache [num_blocks, 1, 1, page_bytes]`` uint8), made once, again
         only if vLLM hands the layer another tensor (another address, shape, strides or dtype: the views are of the
         one they were made over)."""
+        if self._layer is not None and self._layer[0] is kv_cache:  # (vLLM binds one tensor to a layer for good)
+            return self._layer[2]
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype)
-        if self._layer is None or self._layer[0] != key:
-            self._layer = (key, LayerPools(self.pages.views(kv_cache[:, 0, 0])))
-        return self._layer[1]
+        if self._layer is None or self._layer[1] != key:
+            self._layer = (kv_cache, key, LayerPools(self.pages.views(kv_cache[:, 0, 0])))
+        else:
+            self._layer = (kv_cache, key, self._layer[2])
+        return self._layer[2]
 
 
 def impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,

@@ -23,7 +23,6 @@ import subprocess
 import tempfile
 import threading
 import warnings
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -425,32 +424,6 @@ def _point(struct: ctypes.Structure, **addresses: int) -> None:
         setattr(struct, name, address)
 
 
-_POOLS_OFFSET = _Args.sink_k.offset  # the pool pointers: ten consecutive fields of _Args, set by one memmove
-assert [getattr(_Args, name).offset for name in _POOLS] == [_POOLS_OFFSET + 8 * i for i in range(10)]
-_LAYER_POOLS = weakref.WeakKeyDictionary()  # layer -> _layer_pools' answer (held no longer than the layer)
-
-
-def _layer_pools(layer) -> tuple[ctypes.Array, ctypes.Array, tuple, dict]:
-    """``_pools`` of an engine layer's pools (``layer.pools``: fixed once the layer is made, as
-    ``engine_pages.LayerPools`` is), read in place: ``(their addresses in _POOLS order, their strides, how they lie,
-    {name: address})``, worked out once per layer (a layer that takes no weak reference: at every call). Refuses, by
-    name, pools on another device or that the C code would read through a copy."""
-    try:
-        return _LAYER_POOLS[layer]
-    except (KeyError, TypeError):
-        pass
-    tensors = [layer.pools[name] for name in _POOLS]
-    if not all(t.is_cpu for t in tensors):
-        raise ValueError(f"the C engine step reads CPU tensors, got the pools on {tensors[0].device}")
-    addresses, strides, lie = _pools(tensors, [], in_place=True)
-    answer = ((ctypes.c_void_p * 10)(*addresses.values()), strides, lie, addresses)
-    try:
-        _LAYER_POOLS[layer] = answer
-    except TypeError:
-        pass
-    return answer
-
-
 _POOL_LAYOUTS: dict = {}  # (shape, stride) of the pools -> (which are copied, the struct's strides): no address
 
 
@@ -671,39 +644,12 @@ class EngineDecode:
             out: Tensor | None = None, sink_logits: Tensor | None = None) -> Tensor:
         """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` in q's dtype (or into ``out``, a
         contiguous ``[B, H, D]`` float32/bf16/fp16 tensor, rounded as ``.to()`` rounds), stored into ``layer``'s pools
-        (an ``engine_pages.LayerPools``: ``pools`` by name, fixed once made). Raises ValueError, nothing written, for a
-        value the checks refuse (``checks.values``' error), a block whose scale overflows, q, k or v of a dtype the C
-        code does not read, or pools it would read through a copy. ``sink_logits [H]``: the layer's learned sinks
-        (gpt-oss), or None."""
-        pools = _layer_pools(layer)
-        # A later layer whose q, k, v and out lie as the call that made the structs (shapes, strides, dtypes, host
-        # memory: the checks of that call hold for them), reading them in place, sets only the addresses. Inside an
-        # engine the model's matmuls between two layer calls leave this path's Python cold in the CPU's caches:
-        # the full path below cost ~100 us a call there, against ~30 us in a loop of layer calls alone.
-        lie = (q.shape, q.stride(), q.dtype, q.is_cpu, k.shape, k.stride(), k.dtype, k.is_cpu, v.shape, v.stride(),
-               v.dtype, v.is_cpu, None if out is None else (out.shape, out.stride(), out.dtype, out.is_cpu), scale,
-               pools[2])
-        t = self._template
-        if t is None or t[0] != lie or sink_logits is not None or not t[-1]:
-            return self._run(layer, pools, lie, q, k, v, scale, out, sink_logits)
-        _, a, c, st, bound, calls, _ = t
-        out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
-        ctypes.memmove(ctypes.addressof(a) + _POOLS_OFFSET, pools[0], ctypes.sizeof(pools[0]))
-        a.q, a.out, a.sink_logits = q.data_ptr(), out.data_ptr(), None
-        c.x_k = st.x_k = k.data_ptr()
-        c.x_v = st.x_v = v.data_ptr()
-        st.pool_k, st.pool_v = pools[0][2], pools[0][3]
-        trace.ran("engine_step", "c")
-        code = _lib.qsinkkv_engine_write(*calls, bound)
-        if code:
-            self._failed(code, layer, q, k, v)
-        _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)
-        return out
-
-    def _run(self, layer, pools: tuple, lie: tuple, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
-             out: Tensor | None, sink_logits: Tensor | None) -> Tensor:
-        """``run`` with every check, (re)making the structs the later layers of the step reuse."""
+        (an ``engine_pages.LayerPools``: ``pools`` by name). Raises ValueError, nothing written, for a value the
+        checks refuse (``checks.values``' error), a block whose scale overflows, q, k or v of a dtype the C code does
+        not read, or pools it would read through a copy. ``sink_logits [H]``: the layer's learned sinks (gpt-oss), or
+        None."""
         B, Hkv, D = self.store.batch_size, self.store.num_kv_heads, self.store.head_dim
+        pool_tensors = [layer.pools[name] for name in _POOLS]
         if (q.dim() != 3 or q.shape[0] != B or q.shape[1] % Hkv or q.shape[2] != D or k.shape != (B, Hkv, D)
                 or v.shape != k.shape):
             raise ValueError(f"q must be [B={B}, H (a multiple of Hkv={Hkv}), D={D}] and k, v [B, Hkv, D], got q "
@@ -711,39 +657,42 @@ class EngineDecode:
         if q.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype != k.dtype:
             raise ValueError(f"the C engine step reads float32, bfloat16 or float16 q, and k and v of one such dtype; "
                              f"got {q.dtype}, {k.dtype} and {v.dtype}")
-        if not (q.is_cpu and k.is_cpu and v.is_cpu):
-            raise ValueError(f"the C engine step reads CPU tensors, got q, k and v on {q.device}, {k.device} and "
-                             f"{v.device}")
+        if not (q.is_cpu and k.is_cpu and v.is_cpu and pool_tensors[0].is_cpu):
+            raise ValueError(f"the C engine step reads CPU tensors, got q, k, v and the pools on {q.device}, "
+                             f"{k.device}, {v.device} and {pool_tensors[0].device}")
         _check_out(out, q)
         keep = []  # (copies of q, k, v or the sink logits the C code reads: alive until the call returns)
         logits = _sink_logits(sink_logits, q.shape[1], keep)
+        pools = _pools(pool_tensors, keep, in_place=True)
         trace.ran("engine_step", "c")
         q_rows, q_stride = _rows(q, keep)
         k_rows, v_rows, kv_stride = _kv_rows(k, v, keep)
-        in_place = not keep  # (the later layers' path: only where this call read q, k, v in place, no learned sinks)
         out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
         scale = q.shape[2] ** -0.5 if scale is None else scale
-        store = replace(self.store, **layer.pools)
-        a = _args(store, keep, (pools[3], pools[1], pools[2]), B=q.shape[0], G=q.shape[1] // store.num_kv_heads,
-                  q=q_rows.data_ptr(), q_dtype=_DTYPES[q.dtype], q_stride=q_stride, bias=self.bias.data_ptr(),
-                  sink_logits=logits, scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
-        c = _complete_struct(store, k_rows, v_rows, self.index[:4], keep)
-        st = _store_struct(store.float_k, store.float_v, store.float_table, k_rows, v_rows, self.index[4:],
-                           store.float_k.shape[2], keep)
-        self._template = (lie, a, c, st, window_bound(self.layout.config, k.dtype),
-                          (ctypes.byref(a), ctypes.byref(c), ctypes.byref(st)), in_place)
-        code = _lib.qsinkkv_engine_write(*self._template[5], self._template[4])
-        if code:
-            self._failed(code, layer, q, k, v)
-        _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)
-        return out
-
-    def _failed(self, code: int, layer, q: Tensor, k: Tensor, v: Tensor) -> None:
+        lies = (pools[2], q.shape, q_stride, q.dtype, k.shape, kv_stride, k.dtype, v.dtype, out.dtype, scale)
+        if self._template is None or self._template[0] != lies:
+            store = replace(self.store, **layer.pools)
+            a = _args(store, keep, pools, B=q.shape[0], G=q.shape[1] // store.num_kv_heads, q=q_rows.data_ptr(),
+                      q_dtype=_DTYPES[q.dtype], q_stride=q_stride, bias=self.bias.data_ptr(), sink_logits=None,
+                      scale=scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
+            c = _complete_struct(store, k_rows, v_rows, self.index[:4], keep)
+            st = _store_struct(store.float_k, store.float_v, store.float_table, k_rows, v_rows, self.index[4:],
+                               store.float_k.shape[2], keep)
+            self._template = (lies, a, c, st, window_bound(self.layout.config, k.dtype))
+        _, a, c, st, bound = self._template
+        pointers, x_k, x_v = pools[0], k_rows.data_ptr(), v_rows.data_ptr()
+        _point(a, **pointers, q=q_rows.data_ptr(), out=out.data_ptr(), sink_logits=logits)
+        _point(c, x_k=x_k, x_v=x_v)
+        _point(st, x_k=x_k, x_v=x_v, pool_k=pointers["float_k"], pool_v=pointers["float_v"])
+        code = _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound)
         if code == -4:  # a value the checks refuse: checks.values names it
             self._refuse(q, k, v)
         if code == -3:
             raise write.overflow_error(replace(self.store, **layer.pools), k, v, *self.index[:4])
-        raise RuntimeError(f"the C engine step failed (code {code})")
+        if code:
+            raise RuntimeError(f"the C engine step failed (code {code})")
+        _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)
+        return out
 
     def _refuse(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         """The error ``checks.values`` gives for this step's values (the C check refused them; nothing was written)."""

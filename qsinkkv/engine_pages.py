@@ -198,12 +198,15 @@ def step_tables(pages: PageLayout, block_table: Tensor, held: Tensor, lens: Tens
 class LayerPools:
     """One layer's storage in an engine, for the engine's life: the pools over its pages (``PageLayout.views``: every
     ``LayerStorage`` pool, the float ring's included, a view of the same pages), fixed once made (a read-only
-    mapping; ops may keep what they derive from it, weakly, by the layer)."""
-    __slots__ = ("pools", "num_pages", "__weakref__")
+    mapping)."""
+    __slots__ = ("pools",)
 
     def __init__(self, pages: dict[str, Tensor]):
         self.pools = MappingProxyType(dict(pages))  # every LayerStorage pool, by name
-        self.num_pages = self.pools["key_codes"].shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.pools["key_codes"].shape[1]
 
 
 TABLE_NAMES = ("sink_table", "float_table", "quant_read", "quant_store")

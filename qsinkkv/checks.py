@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from . import trace
 from .config import CacheConfig
 from .layout import token_positions
 
@@ -230,23 +232,26 @@ def condition_in_step(holds: Tensor, error) -> None:
 # --- values: nothing that is NaN/Inf, or becomes so once stored, reaches a block -----------------------
 
 def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor, v: Tensor, q: Tensor | None,
-           sink_logits: Tensor | None, packed: bool = False) -> None:
+           sink_logits: Tensor | None, packed: bool = False, peaks: Callable[[list[Tensor]], list[float]] | None = None
+           ) -> None:
     """One device sync for every value check: the K/V to be stored finite in the dtype they are stored in
     (a sequence's first ``sink_tokens`` in ``sink_dtype``, later ones in ``window_dtype``; ``seq_lens [B]`` host:
     tokens held before the step), q finite, sink_logits free of NaN and +inf. A packed step (``packed``: k, v, q
     ``[N, heads, D]``, ``split.lens`` tokens per row) is checked token by token on the packed tensors
     (``packed_tokens_fit``); a uniform chunk past the sinks with one reduction per tensor; otherwise each row
-    group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T)."""
-    held = seq_lens
+    group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T). ``peaks``: the
+    whole-tensor reduction of the host checks (``Ops.peaks``: ``peaks_torch``, the default, or
+    ``decode_c.peaks_c``)."""
+    held, peaks = seq_lens, peaks or peaks_torch
     refused = lambda ok: _raise_refused(ok, config, lambda x: _refused_rows(config, held, split, x, packed),  # noqa: E731
                                         {"k": k, "v": v})
     if packed and k.device.type != "cpu":  # an engine's step on its GPU: no host read
         return packed_tokens_fit_in_step(config, held, split, k, v, q, sink_logits)
     if packed:
-        return refused(packed_tokens_fit(config, held, split.lens, k, v, q, sink_logits))
+        return refused(packed_tokens_fit(config, held, split.lens, k, v, q, sink_logits, peaks))
     if split is None:
         if not held.numel() or int(held.min()) >= config.sink_tokens:
-            return refused(peaks_fit(k, v, q, sink_logits, config) if k.numel() else {})
+            return refused(peaks_fit(k, v, q, sink_logits, config, peaks=peaks) if k.numel() else {})
     ok = {"k": [], "v": [], "q": []}
     groups = []  # (positions [n, T] host, real [n, T] host or None, q, k, v [n, heads, T, D])
     if split is None:  # a uniform chunk whose first tokens go to the sinks
@@ -322,11 +327,14 @@ def _refused_rows(config: CacheConfig, seq_lens: Tensor, split: Split | None, x:
 
 
 def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None,
-              config: CacheConfig, bound: float | None = None) -> dict[str, bool]:
+              config: CacheConfig, bound: float | None = None,
+              peaks: Callable[[list[Tensor]], list[float]] | None = None) -> dict[str, bool]:
     """Every token of ``k, v`` goes to the window: one reduction per tensor and one sync (one reduction over
     all of them when they share one bound: a small step's cost is its ops). |x| below ``window_bound`` means
     finite once stored and quantizable in any block (NaN fails every comparison). ``bound``: a tighter one to hold
-    k and v to instead (``packed_tokens_fit``'s first try). Returns check name -> passed."""
+    k and v to instead (``packed_tokens_fit``'s first try). ``peaks``: the reduction (``values``'). Returns check
+    name -> passed."""
+    peaks = peaks or peaks_torch
     bound = window_bound(config, k.dtype) if bound is None else bound
     named = {"k": (k, bound), "v": (v, bound)}
     if q is not None:
@@ -334,15 +342,15 @@ def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None
     # max |x| is one of x's own values: exact in x's dtype (q, k, v share the cache dtype)
     ok = None
     qkv = None if q is None else _one_buffer(q, k, v)
-    if qkv is not None and peak(qkv).item() < bound:  # (q's own limit, inf, is above every bound)
+    if qkv is not None and peaks([qkv])[0] < bound:  # (q's own limit, inf, is above every bound)
         ok = dict.fromkeys(named, True)
     if ok is None and bound == math.inf:
         whole = torch.cat([x.reshape(-1) for x, _ in named.values()])
-        if peak(whole).item() < math.inf:
+        if peaks([whole])[0] < math.inf:
             ok = dict.fromkeys(named, True)
     if ok is None:  # (or one of them is not finite: which)
-        peaks = torch.stack([peak(x) for x, _ in named.values()]).tolist()
-        ok = {name: p < limit for (name, (_, limit)), p in zip(named.items(), peaks)}
+        tops = peaks([x for x, _ in named.values()])
+        ok = {name: p < limit for (name, (_, limit)), p in zip(named.items(), tops)}
     if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
         ok["sink_logits"] = torch.amax(sink_logits).item() < math.inf
     return ok
@@ -368,19 +376,20 @@ def _one_buffer(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
 
 
 def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k: Tensor, v: Tensor,
-                      q: Tensor | None, sink_logits: Tensor | None) -> dict[str, bool]:
+                      q: Tensor | None, sink_logits: Tensor | None,
+                      peaks: Callable[[list[Tensor]], list[float]] | None = None) -> dict[str, bool]:
     """The value checks of a packed step: ``k, v [N, Hkv, D]``, ``q [N, H, D]``, row b's ``lens[b]`` tokens next
     (``seq_lens [B]`` host: tokens each row held before). Past every row's sinks, ``peaks_fit``; else each
     token's max |x| (one reduction per tensor, over the packed tokens where they lie: no padding, no gather)
     against the bound of the dtype it is stored in (a row's first ``sink_tokens`` in ``sink_dtype``). One sync.
-    Returns check name -> passed."""
+    ``peaks``: the whole-tensor reduction (``values``'). Returns check name -> passed."""
     S = config.sink_tokens
     busy = [n for n, t in zip(seq_lens.tolist(), lens) if t]
     if not k.shape[0] or min(busy) >= S:
-        return peaks_fit(k, v, q, sink_logits, config) if k.numel() else {}
+        return peaks_fit(k, v, q, sink_logits, config, peaks=peaks) if k.numel() else {}
     # a prompt's step: one reduction per tensor first -- below both bounds, every token fits wherever it goes
     both = min(overflow_bound(config.sink_dtype, k.dtype), window_bound(config, k.dtype))
-    ok = peaks_fit(k, v, q, sink_logits, config, bound=both)
+    ok = peaks_fit(k, v, q, sink_logits, config, bound=both, peaks=peaks)
     if all(ok.values()):
         return ok
     to_sinks = (token_positions(seq_lens, torch.tensor(lens)) < S).to(k.device)             # [N]
@@ -420,6 +429,13 @@ def packed_tokens_fit_in_step(config: CacheConfig, seq_lens: Tensor, split: Spli
         return RuntimeError("the value checks on the device refused what the host's accept: the two disagree")
 
     condition_in_step(torch.stack(fits).all(), error)
+
+
+def peaks_torch(tensors: list[Tensor]) -> list[float]:
+    """max |x| of each tensor (``peak``), exact, NaN where any value is NaN, read back in one sync: the value
+    checks' whole-tensor reduction (the reference; ``decode_c.peaks_c`` is its C version, ``Ops.peaks``)."""
+    trace.ran("value_checks", "torch")
+    return torch.stack([peak(x) if x.numel() else x.new_zeros(()) for x in tensors]).tolist()
 
 
 def peak(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:

@@ -796,17 +796,56 @@ static inline void store_scalar(void *p, int dt, int64_t i, float x) {
     else ((uint16_t *)p)[i] = dt == BF16 ? float_to_bf16(x) : float_to_half(x);
 }
 
-/* quant.py's rule, one group at a time: scale = (max - min) / qmax and zero = min, each rounded to the scale dtype;
+/* n float32 values, each replaced by itself as stored in dtype dt (round_to's answer): bf16 by the integer
+ * rounding of float_to_bf16 (finite and inf inputs; NaN stays a NaN), fp16 eight at a time by the F16C
+ * instructions where the machine has them (the same rounding as float_to_half), so that the loops vectorize */
+static void round_n(float *restrict x, int64_t n, int dt) {
+    if (dt == F32) return;
+    int64_t i = 0;
+    if (dt == BF16) {
+        uint32_t *u = (uint32_t *)x;
+        for (; i < n; i++)
+            u[i] = (u[i] & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (u[i] + 0x7FFFu + ((u[i] >> 16) & 1u)) & 0xFFFF0000u;
+        return;
+    }
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+    for (; i < n; i++) x[i] = round_to(x[i], dt);
+}
+
+/* n float32 values, each already a value of dtype dt (round_n's), stored as dt at p (exact) */
+static void store_n(void *restrict p, int dt, const float *restrict x, int64_t n) {
+    if (dt == F32) {
+        memcpy(p, x, (size_t)n * 4);
+    } else if (dt == BF16) {
+        const uint32_t *u = (const uint32_t *)x;
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[i] = (uint16_t)(u[i] >> 16);
+    } else {
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[i] = float_to_half(x[i]);
+    }
+}
+
+/* quant.py's rule, for n groups at once: scale = (max - min) / qmax and zero = min, each rounded to the scale dtype;
  * code = floor((x - zero) / scale + 0.5) clamped (scale 0: divide by 1), from the stored values (finite: the step's
- * checks refused the rest). The loops run along contiguous floats so that they vectorize (min and max of finite
- * values, and each code, do not depend on the order). Each returns 0, or -1 if a stored scale or zero is not finite. */
-static inline int scale_zero(float lo, float hi, int qmax, int sdt, float *scale, float *zero, float *div) {
-    const float s = round_to((hi - lo) / (float)qmax, sdt), z = round_to(lo, sdt);
-    if (!isfinite(s) || !isfinite(z)) return -1;
-    *scale = s;
-    *zero = z;
-    *div = s == 0.0f ? 1.0f : s;
-    return 0;
+ * checks refused the rest). Every loop runs along contiguous floats so that it vectorizes (min and max of finite
+ * values, each scale and each code do not depend on the order): lo, hi [n] in, scale, zero, div [n] out; 0, or -1 if
+ * a stored scale or zero is not finite. */
+static int scale_zero_n(const float *restrict lo, const float *restrict hi, int64_t n, int qmax, int sdt,
+                        float *restrict scale, float *restrict zero, float *restrict div) {
+    for (int64_t i = 0; i < n; i++) {
+        scale[i] = (hi[i] - lo[i]) / (float)qmax;
+        zero[i] = lo[i];
+    }
+    round_n(scale, n, sdt);
+    round_n(zero, n, sdt);
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        bad |= !(fabsf(scale[i]) <= 3.40282347e38f) | !(fabsf(zero[i]) <= 3.40282347e38f);  /* isfinite */
+        div[i] = scale[i] == 0.0f ? 1.0f : scale[i];
+    }
+    return bad ? -1 : 0;
 }
 
 /* clamp(floor(y), 0, qmax) for y = (x - zero) / div + 0.5, as floor(clamp(y, 0, qmax + 1)) capped at qmax: the
@@ -830,41 +869,51 @@ static int quantize_keys(const float *restrict x, int64_t bs, int64_t D, int qma
             lo[d] = v < lo[d] ? v : lo[d];
             hi[d] = v > hi[d] ? v : hi[d];
         }
-    for (int64_t d = 0; d < D; d++)
-        if (scale_zero(lo[d], hi[d], qmax, sdt, scale + d, zero + d, div + d)) return -1;
+    if (scale_zero_n(lo, hi, D, qmax, sdt, scale, zero, div)) return -1;
     for (int64_t t = 0; t < bs; t++)
         for (int64_t d = 0; d < D; d++) codes[t * D + d] = code_of(x[t * D + d], zero[d], div[d], (float)qmax);
     return 0;
 }
 
-/* Values, per token over a group of n channels: x [n] -> scale, zero, codes [n]. */
-static int quantize_values(const float *restrict x, int64_t n, int qmax, int sdt, float *scale, float *zero,
-                           uint8_t *restrict codes) {
-    float lo = x[0], hi = x[0], div;
-    if (n % 8 == 0) {  /* eight lanes, then across them */
-        float l8[8], h8[8];
-        for (int j = 0; j < 8; j++) l8[j] = h8[j] = x[j];
-        for (int64_t i = 8; i < n; i += 8)
-            for (int j = 0; j < 8; j++) {
-                const float v = x[i + j];
-                l8[j] = v < l8[j] ? v : l8[j];
-                h8[j] = v > h8[j] ? v : h8[j];
+/* Values, per token over each group of gsz channels: x [n, gsz] (a block's [bs, D] as its n = bs * D / gsz groups,
+ * each contiguous) -> scale, zero [n], codes [n, gsz]; lo, hi, div: the caller's scratch [n]. */
+static int quantize_values(const float *restrict x, int64_t n, int64_t gsz, int qmax, int sdt, float *restrict scale,
+                           float *restrict zero, uint8_t *restrict codes, float *restrict lo, float *restrict hi,
+                           float *restrict div) {
+    for (int64_t e = 0; e < n; e++) {
+        const float *g = x + e * gsz;
+        float l = g[0], h = g[0];
+        int64_t i = 1;
+#ifdef __AVX__
+        if (gsz % 8 == 0) {  /* eight lanes (min/max of finite values: any order), then across them: a scalar
+                              * compare chain is 2 x gsz dependent steps, which the compiler cannot reorder */
+            __m256 l8 = _mm256_loadu_ps(g), h8 = l8;
+            for (i = 8; i < gsz; i += 8) {
+                const __m256 v = _mm256_loadu_ps(g + i);
+                l8 = _mm256_min_ps(v, l8);
+                h8 = _mm256_max_ps(v, h8);
             }
-        for (int j = 1; j < 8; j++) {
-            lo = l8[j] < lo ? l8[j] : lo;
-            hi = h8[j] > hi ? h8[j] : hi;
+            float ls[8], hs[8];
+            _mm256_storeu_ps(ls, l8);
+            _mm256_storeu_ps(hs, h8);
+            for (int j = 0; j < 8; j++) {
+                l = ls[j] < l ? ls[j] : l;
+                h = hs[j] > h ? hs[j] : h;
+            }
+            i = gsz;
         }
-        lo = l8[0] < lo ? l8[0] : lo;
-        hi = h8[0] > hi ? h8[0] : hi;
-    } else {
-        for (int64_t i = 1; i < n; i++) {
-            lo = x[i] < lo ? x[i] : lo;
-            hi = x[i] > hi ? x[i] : hi;
+#endif
+        for (; i < gsz; i++) {
+            l = g[i] < l ? g[i] : l;
+            h = g[i] > h ? g[i] : h;
         }
+        lo[e] = l;
+        hi[e] = h;
     }
-    if (scale_zero(lo, hi, qmax, sdt, scale, zero, &div)) return -1;
-    const float z = *zero;
-    for (int64_t i = 0; i < n; i++) codes[i] = code_of(x[i], z, div, (float)qmax);
+    if (scale_zero_n(lo, hi, n, qmax, sdt, scale, zero, div)) return -1;
+    for (int64_t e = 0; e < n; e++)
+        for (int64_t i = 0; i < gsz; i++)
+            codes[e * gsz + i] = code_of(x[e * gsz + i], zero[e], div[e], (float)qmax);
     return 0;
 }
 
@@ -896,7 +945,8 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     uint8_t *codes = malloc((size_t)(c->n * 2 * per));
     float *ks = malloc((size_t)(c->n * H * D * 2) * sizeof(float));       /* key scale, zero [n, H, D] */
     float *vsz = malloc((size_t)(c->n * H * bs * K * 2) * sizeof(float));  /* value scale, zero [n, H, bs, K] */
-    int code = x && codes && ks && vsz ? 0 : -2;
+    float *groups = malloc((size_t)(3 * bs * K) * sizeof(float));          /* a head's value groups: lo, hi, div */
+    int code = x && codes && ks && vsz && groups ? 0 : -2;
     for (int64_t i = 0; i < c->n && !code; i++) {  /* a page or float block the tables do not give: -5 */
         const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
         if (a->quant_table[b * nq + blk % nq] < 0) code = -5;
@@ -929,12 +979,9 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
         float *vscale = vsz + i * H * bs * K * 2, *vzero = vscale + H * bs * K;
         for (int64_t h = 0; h < H && !code; h++) {
             code = quantize_keys(x + h * bs * D, bs, D, qmax, sdt, kscale + h * D, kzero + h * D, kc + h * bs * D)
-                   ? -3 : 0;
-            for (int64_t t = 0; t < bs && !code; t++)  /* values: per token over each group of channels */
-                for (int64_t g = 0; g < K && !code; g++)
-                    code = quantize_values(x + per + (h * bs + t) * D + g * gsz, gsz, qmax, sdt,
-                                           vscale + (h * bs + t) * K + g, vzero + (h * bs + t) * K + g,
-                                           vc + (h * bs + t) * D + g * gsz) ? -3 : 0;
+                   || quantize_values(x + per + h * bs * D, bs * K, gsz, qmax, sdt, vscale + h * bs * K,
+                                      vzero + h * bs * K, vc + h * bs * D, groups, groups + bs * K,
+                                      groups + 2 * bs * K) ? -3 : 0;
         }
     }
     for (int64_t i = 0; i < c->n && !code; i++) {  /* every block quantized: write them */
@@ -951,24 +998,57 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
                         dst[t * Dc + j] = a->bits == 4 ? (uint8_t)(src[t * D + j] | src[t * D + j + D / 2] << 4)
                                                        : src[t * D + j];
             }
-            for (int64_t d = 0; d < D; d++) {
-                store_scalar((char *)a->key_scale + AT(KEY_SCALE, h, page) * se, sdt, d, kscale[h * D + d]);
-                store_scalar((char *)a->key_zero + AT(KEY_ZERO, h, page) * se, sdt, d, kzero[h * D + d]);
-            }
-            for (int64_t e = 0; e < bs * K; e++) {
-                store_scalar((char *)a->value_scale + AT(VALUE_SCALE, h, page) * se, sdt, e, vscale[h * bs * K + e]);
-                store_scalar((char *)a->value_zero + AT(VALUE_ZERO, h, page) * se, sdt, e, vzero[h * bs * K + e]);
-            }
+            store_n((char *)a->key_scale + AT(KEY_SCALE, h, page) * se, sdt, kscale + h * D, D);
+            store_n((char *)a->key_zero + AT(KEY_ZERO, h, page) * se, sdt, kzero + h * D, D);
+            store_n((char *)a->value_scale + AT(VALUE_SCALE, h, page) * se, sdt, vscale + h * bs * K, bs * K);
+            store_n((char *)a->value_zero + AT(VALUE_ZERO, h, page) * se, sdt, vzero + h * bs * K, bs * K);
         }
     }
     free(x);
     free(codes);
     free(ks);
     free(vsz);
+    free(groups);
     return code;
 }
 
 int64_t qsinkkv_complete_size(void) { return (int64_t)sizeof(Complete); }
+
+/* ---- the value checks' reduction (checks.peaks' C version): max |x| of a step's q, k, v ---- */
+
+/* max |x| over n rows of `width` values (dtype dt, rows `stride` elements apart), as float32: exact (a value of x),
+ * NaN where any is NaN. An IEEE value's magnitude orders as its bits do once the sign is cleared (inf above every
+ * finite value, NaN above inf), so the max is taken on those integers: no conversion, and the loops vectorize as
+ * unsigned max reductions (32 bf16/fp16 or 16 float32 lanes an instruction). */
+float qsinkkv_peak(const void *x, int64_t dt, int64_t n, int64_t width, int64_t stride) {
+    float out;
+    if (dt == F32) {
+        uint32_t m = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t *row = (const uint32_t *)x + i * stride;
+            for (int64_t d = 0; d < width; d++) {
+                const uint32_t b = row[d] & 0x7FFFFFFFu;
+                m = b > m ? b : m;
+            }
+        }
+        memcpy(&out, &m, 4);
+        return out;
+    }
+    uint16_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *row = (const uint16_t *)x + i * stride;
+        for (int64_t d = 0; d < width; d++) {
+            const uint16_t b = row[d] & 0x7FFFu;
+            m = b > m ? b : m;
+        }
+    }
+    if (dt == BF16) {
+        const uint32_t w = (uint32_t)m << 16;
+        memcpy(&out, &w, 4);
+        return out;
+    }
+    return half_to_float(m);
+}
 
 /* ---- the structs' layout, field by field: decode_c.py checks its ctypes mirror of each against these at load ---- */
 

@@ -247,10 +247,19 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
                sink_logits=sink_logits, check=check, out=out)
 
 
+def starting_pages(step_plan: plan.StepPlan, read: LayerStorage) -> dict[str, Tensor]:
+    """The sink and float pages of the rows that start at this step (``LayerStorage.zero_blocks``' argument: what
+    ``run`` zeroes), from the step's tables: the same for every layer."""
+    rows = torch.tensor(step_plan.starting).to(read.device, non_blocking=True)
+    return {"sink": read.sink_table[rows], "float": read.float_table[rows].flatten()}
+
+
 def run(ops, step_plan: plan.StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor, k: Tensor, v: Tensor, *,
-        scale: float | None, sink_logits: Tensor | None, check: bool = True, out: Tensor | None = None) -> Tensor:
+        scale: float | None, sink_logits: Tensor | None, check: bool = True, out: Tensor | None = None,
+        new_pages: dict[str, Tensor] | None = None) -> Tensor:
     """``step.run`` over an engine's records: learned sinks of the wrong shape refused by name, and a new sequence's
-    pages zeroed once the values pass. An engine never rolls a step back: nothing is copied aside for an undo."""
+    pages zeroed once the values pass (``new_pages``: ``starting_pages``' answer, if the caller has it for the step).
+    An engine never rolls a step back: nothing is copied aside for an undo."""
     if check and sink_logits is not None and (sink_logits.shape != (q.shape[1],)
                                               or not sink_logits.is_floating_point()):
         raise ValueError(f"sink_logits must be a float tensor of shape [H={q.shape[1]}], got {sink_logits.dtype} "
@@ -258,8 +267,7 @@ def run(ops, step_plan: plan.StepPlan, read: LayerStorage, store: LayerStorage, 
 
     def zero_new_rows() -> None:  # a new sequence's sink and float pages may hold a former owner's bytes (every entry
         # of an engine's table is a page, the null page -- zeros -- among them: no mask, no host read)
-        rows = torch.tensor(step_plan.starting).to(read.device, non_blocking=True)
-        read.zero_blocks({"sink": read.sink_table[rows], "float": read.float_table[rows].flatten()})
+        read.zero_blocks(new_pages or starting_pages(step_plan, read))
 
     return step.run(ops, step_plan, read, store, q, k, v, scale=scale, sink_logits=sink_logits, check=check,
                     prepare=zero_new_rows if step_plan.starting else None, out=out)
@@ -279,6 +287,7 @@ class EngineStep:
         self.plan = plan.packed(layout, held, lens.tolist())  # (its held: the tokens each row holds before the step)
         self._pool_pages = None  # the pool size the tables were checked against (every layer of an engine: one)
         self._engine = None
+        self._new_pages = None  # starting_pages, once for the step's layers
 
     def _check(self, layer: LayerPools) -> None:
         """The tables name pages of ``layer``'s pool: checked once per pool size (no host read on a device)."""
@@ -306,7 +315,10 @@ class EngineStep:
             return self._engine.run(layer, q, k, v, scale, out, sink_logits)
         read, store = self.records(layer)
         into = out if out is not None and out.dtype == q.dtype else None  # (another dtype: computed, then cast)
-        result = run(ops, self.plan, read, store, q, k, v, scale=scale, sink_logits=sink_logits, out=into)
+        if self.plan.starting and self._new_pages is None:
+            self._new_pages = starting_pages(self.plan, read)
+        result = run(ops, self.plan, read, store, q, k, v, scale=scale, sink_logits=sink_logits, out=into,
+                     new_pages=self._new_pages)
         return result if out is None or into is not None else out.copy_(result)
 
 

@@ -16,6 +16,8 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
                      chosen quantizer                             the same bits)
   engine decode step (the checks, the write and the decode that   decode_c.EngineDecode (CPU, C)
                      step.run gives a plain decode step, StepPlan.decoding)
+  value checks       checks.peaks_torch (max |x| per tensor,       decode_c.peaks_c (CPU, C: on the values'
+                     checks.values' host reduction)              bits, no conversion)
 
 Each op has one kernel per backend, chosen here once (``Ops.kernels``, ``Ops.served_by``); every kernel notes
 itself as it runs (``qsinkkv.trace``), and a case it cannot serve raises by name: no kernel hands a call to another.
@@ -33,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from . import decode_c, quant, write
+from . import checks, decode_c, quant, write
 from .config import CacheConfig
 from .decode import decode_attention_reference, decode_attention_torch
 from .prefill import prefill_attention_reference, prefill_attention_torch, prefill_causal_packed
@@ -62,6 +64,8 @@ class Ops:
     # a packed step's prefill of rows that hold and bring at most S + W tokens in all, on its tokens where they lie
     # after what the rows held (the causal mask: prefill.prefill_causal_packed's signature), if the backend has one
     prefill_causal: Callable | None = None
+    # the host value checks' whole-tensor reduction, max |x| of each tensor (checks.values' ``peaks``)
+    peaks: Callable = checks.peaks_torch
 
     def served_by(self) -> dict[str, str]:
         """op -> kernel, e.g. ``{"decode": "c", "prefill": "torch", ...}`` (a copy)."""
@@ -82,24 +86,25 @@ def select_ops(backend: str, device: torch.device, head_dim: int, rotary: Rotary
     check_decode_variant(decode_variant, backend, rotary, config, head_dim)
     if backend == "c":
         return Ops("c", dict(write_blocks="c", write_rows="c", decode="c", prefill="torch", engine_step="c",
-                             prefill_causal="torch"), quant,
+                             prefill_causal="torch", value_checks="c"), quant,
                    decode_c.decode_attention_c, prefill_attention_torch, decode_c.WRITER_C, decode_c.EngineDecode,
-                   prefill_causal_packed)
+                   prefill_causal_packed, decode_c.peaks_c)
     if backend == "triton":
         from .kernels import api as kernels
         # (the write's blocks quantized inside its kernel, as the C writer's: no separate quantize op)
-        return Ops("triton", dict(write_blocks="triton", write_rows="triton", decode="triton", prefill="triton"),
+        return Ops("triton", dict(write_blocks="triton", write_rows="triton", decode="triton", prefill="triton",
+                                  value_checks="torch"),
                    kernels, functools.partial(kernels.decode_attention, rotary=rotary, variant=decode_variant),
                    functools.partial(kernels.prefill_attention, rotary=rotary), kernels.WRITER_TRITON)
     # the CPU decode's products and SDPA's prefill need keys at their final rotation; under cache_index
     # each key turns by its index
     if rotary is None:
         return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="torch",
-                                 prefill="torch", prefill_causal="torch"), quant, decode_attention_torch,
-                   prefill_attention_torch,
-                   prefill_causal=prefill_causal_packed)
+                                 prefill="torch", prefill_causal="torch", value_checks="torch"), quant,
+                   decode_attention_torch, prefill_attention_torch, prefill_causal=prefill_causal_packed)
     return Ops("torch", dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="reference",
-                             prefill="reference"), quant, functools.partial(decode_attention_reference, rotary=rotary),
+                             prefill="reference", value_checks="torch"), quant,
+               functools.partial(decode_attention_reference, rotary=rotary),
                functools.partial(prefill_attention_reference, rotary=rotary))
 
 

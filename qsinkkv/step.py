@@ -124,7 +124,7 @@ def run(ops, plan: StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor 
     groups = split(plan, q, k, v)
     if check:
         checks.values(read.layout.config, plan.held, None if plan.uniform else groups, k, v, q, sink_logits,
-                      packed=plan.packed)
+                      packed=plan.packed, peaks=ops.peaks)
     if prepare is not None:
         prepare()
     multi_out = one_out = None

@@ -191,7 +191,17 @@ class LayerStorage:
             index = torch.as_tensor(index, dtype=torch.int64).to(self.device)
             if index.numel():
                 for name in KIND_TENSORS[kind]:
-                    getattr(self, name).index_fill_(1, index, 0)
+                    _as_words(getattr(self, name)).index_fill_(1, index, 0)
+
+
+def _as_words(pool: Tensor) -> Tensor:
+    """``pool``'s bytes as int64 words where its rows allow (the same zeros, an eighth of the elements to fill:
+    index_fill_ goes element by element), else the pool."""
+    row_bytes = pool.shape[-1] * pool.element_size()
+    if pool.stride(-1) != 1 or row_bytes % 8 or any(st * pool.element_size() % 8 for st in pool.stride()[:-1]) \
+            or pool.storage_offset() * pool.element_size() % 8:
+        return pool
+    return pool.view(torch.uint8).view(torch.int64)
 
 
 def _per_sequence(pool: Tensor, batch_size: int) -> Tensor:

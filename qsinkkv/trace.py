@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-OPS = ("quantize", "write_blocks", "write_rows", "decode", "prefill", "prefill_causal", "engine_step")
+OPS = ("quantize", "write_blocks", "write_rows", "decode", "prefill", "prefill_causal", "engine_step",
+       "value_checks")
 KERNELS = ("reference", "torch", "c", "triton", "vllm_cpu")  # vllm_cpu: vLLM's own CPU attention kernel
 
 _ran: list[tuple[str, str]] | None = None

@@ -3,6 +3,7 @@ float64 oracle: every bits and dtype, ragged and paged batches, bit-identical ro
 any thread, and how the backend is chosen when C is not at hand. (Every layout of the kernel tests,
 beside the PyTorch CPU path: ``tests/test_decode.py::test_cpu_decode_matches_reference_and_rows_alone``.)"""
 import ctypes
+import math
 import os
 import subprocess
 import sys
@@ -227,6 +228,34 @@ def test_chunk_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype, sc
         huge = k.clone()
         huge[p.full_at[-1], 0, 0] = -1e5
         assert write_with(write.WRITER_TORCH, huge) is None and write_with(decode_c.WRITER_C, huge) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_value_peaks_in_c_equal_the_reference(dtype):
+    """``decode_c.peaks_c`` (the value checks' max |x| on the values' bits) gives ``checks.peaks_torch``'s answer on
+    every layout it reads -- a fused qkv row's column slices (rows any stride apart), a tensor it must copy, a flat
+    one, an empty one -- with NaN (anywhere: NaN), +-inf, the dtype's largest finite value and signed zeros among
+    fresh random values; and the C backend's ops take it (``Ops.peaks``), recorded as the value checks' kernel."""
+    from qsinkkv import checks
+    from qsinkkv.ops import select_ops
+    g = torch.Generator().manual_seed(11)
+    top = torch.finfo(dtype).max
+    for special in [None, math.nan, math.inf, -math.inf, top, -top, -0.0]:
+        qkv = torch.randn(37, (6 + 2 * 2) * 16, generator=g).mul(5).to(dtype)
+        if special is not None:
+            at = torch.randint(0, qkv.numel(), (1,), generator=g).item()
+            qkv.view(-1)[at] = special
+        q, k, v = qkv[:, :96].view(37, 6, 16), qkv[:, 96:128].view(37, 2, 16), qkv[:, 128:].view(37, 2, 16)
+        xs = [qkv, q, k, v, qkv[:, 3:9], qkv.t(), qkv.flatten(), qkv[:0], -qkv]
+        with trace.recording() as ran:
+            fast = decode_c.peaks_c(xs)
+        assert ("value_checks", "c") in ran and ("value_checks", "torch") not in ran
+        expect = checks.peaks_torch(xs)
+        for x, a, b in zip(xs, fast, expect):
+            assert (math.isnan(a) and math.isnan(b)) or a == b, (special, list(x.shape), a, b)
+    assert select_ops("c", torch.device("cpu"), 16, None).peaks is decode_c.peaks_c
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        decode_c.peaks_c([torch.ones(3, dtype=torch.int32)])
 
 
 def test_threads_do_not_change_the_bits(monkeypatch):

@@ -126,14 +126,14 @@ def test_served_by_names_one_kernel_per_op():
     from qsinkkv.rope import Rotary
     torch_ops = select_ops("torch", cpu, D, None)
     assert torch_ops.served_by() == dict(write_blocks="torch", write_rows="torch", quantize="torch", decode="torch",
-                                         prefill="torch", prefill_causal="torch")
+                                         prefill="torch", prefill_causal="torch", value_checks="torch")
     assert select_ops("torch", cpu, D, Rotary.from_schedule(D)).served_by()["decode"] == "reference"
     assert select_ops("triton", cpu, D, None).served_by() == dict(
-        write_blocks="triton", write_rows="triton", decode="triton", prefill="triton")
+        write_blocks="triton", write_rows="triton", decode="triton", prefill="triton", value_checks="torch")
     if decode_c.available()[0]:
         assert select_ops("c", cpu, D, None).served_by() == dict(write_blocks="c", write_rows="c", decode="c",
                                                                  prefill="torch", engine_step="c",
-                                                                 prefill_causal="torch")
+                                                                 prefill_causal="torch", value_checks="c")
     served = torch_ops.served_by()
     served["decode"] = "c"
     assert torch_ops.served_by()["decode"] == "torch"

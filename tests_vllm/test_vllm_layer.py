@@ -331,8 +331,10 @@ def test_a_quantized_layer_on_cuda_runs_the_triton_kernels_with_no_host_read(mon
 
     # (the interpreter is slow: prompts, decodes past the capacity)
     ran = set(_drive(on_host, sinks, tol=1e-4, steps=_schedule()[:24], also=under_gpu_rules))
-    assert {kernel for _, kernel in ran} == {"triton"}, ran
-    assert {op for op, _ in ran} == {"write_rows", "write_blocks", "prefill", "decode"}, ran
+    # (the value checks are the backend's: on these host tensors torch's reduction; on a device, in the step)
+    assert {kernel for op, kernel in ran if op != "value_checks"} == {"triton"}, ran
+    assert ran <= set(on_host.impl.ops.served_by().items()), ran
+    assert {op for op, _ in ran} == {"write_rows", "write_blocks", "prefill", "decode", "value_checks"}, ran
 
 
 def test_the_fp16_decode_body_is_the_configs_choice_on_cuda_and_refused_on_the_cpu(monkeypatch):

@@ -797,7 +797,7 @@ static inline void store_scalar(void *p, int dt, int64_t i, float x) {
 }
 
 /* n float32 values, each replaced by itself as stored in dtype dt (round_to's answer): bf16 by the integer
- * rounding of float_to_bf16 (finite and inf inputs; NaN stays a NaN), fp16 eight at a time by the F16C
+ * rounding of float_to_bf16 (finite and inf inputs; a NaN becomes its 0x7FC0, as there), fp16 eight at a time by the F16C
  * instructions where the machine has them (the same rounding as float_to_half), so that the loops vectorize */
 static void round_n(float *restrict x, int64_t n, int dt) {
     if (dt == F32) return;
@@ -1014,7 +1014,7 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
 
 int64_t qsinkkv_complete_size(void) { return (int64_t)sizeof(Complete); }
 
-/* ---- the value checks' reduction (checks.peaks' C version): max |x| of a step's q, k, v ---- */
+/* ---- the value checks' reduction (checks.peaks_torch's C version): max |x| of a step's q, k, v ---- */
 
 /* max |x| over n rows of `width` values (dtype dt, rows `stride` elements apart), as float32: exact (a value of x),
  * NaN where any is NaN. An IEEE value's magnitude orders as its bits do once the sign is cleared (inf above every

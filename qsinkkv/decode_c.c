@@ -218,33 +218,37 @@ static inline int64_t seen_rows(const float *bias, int64_t n, int64_t *restrict 
 }
 
 #ifdef __AVX__
-/* lane j: the sum of a[j]'s lanes (eight rows' dot products reduced together: a fraction of eight hsums) */
-static inline v8 hsum8(const vr *a) {
 #if LANES == 16
-    /* a transposing tree over whole 512-bit vectors: pairs of rows share a vector, each holding half of each's
-     * partial sums, then a quarter, then (within 128-bit lanes) one: 24 instructions for the eight (splitting each
-     * row into two 256-bit halves first took ~40) */
-    __m512 t[4], u[2];
-    for (int j = 0; j < 4; j++)  /* t[j]: lanes 0-7 row 2j's halves added, lanes 8-15 row 2j+1's */
-        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[2 * j], (__m512)a[2 * j + 1], 0x44),
-                             _mm512_shuffle_f32x4((__m512)a[2 * j], (__m512)a[2 * j + 1], 0xEE));
-    for (int j = 0; j < 2; j++)  /* u[j]: 128-bit lane k holds four partial sums of row 4j + k */
-        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+/* hsum8's transposing tree over whole 512-bit vectors, in its three stages, so that a pass can reduce its rows as
+ * they finish (score8_ng: the eight rows' sums need not all be live at once). pair_rows: lanes 0-7 a's halves added,
+ * lanes 8-15 b's; quad_rows (of pair_rows of rows 0,1 and 2,3): 128-bit lane k holds four partial sums of row k;
+ * eight_rows (of quad_rows of rows 0-3 and 4-7): lane j the sum of row j */
+static inline __m512 pair_rows(vr a, vr b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x44), _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xEE));
+}
+
+static inline __m512 quad_rows(__m512 t0, __m512 t1) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+}
+
+static inline v8 eight_rows(__m512 u0, __m512 u1) {
     /* lane k: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of rows k (x) and k + 4 (y), then their halves added */
-    const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(u0, u1), _mm512_unpackhi_ps(u0, u1));
     const __m512 s = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));  /* lane k: [s_k, s_k+4, s_k, s_k+4] */
     const __m512 order = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), s);
     return (v8)_mm512_castps512_ps256(order);
+}
 #else
+/* lane j: the sum of a[j]'s lanes (eight rows' dot products reduced together: a fraction of eight hsums) */
+static inline v8 hsum8(const vr *a) {
     __m256 f[8];
     for (int j = 0; j < 8; j++) f[j] = (__m256)a[j];
     /* hadd pairs within 128-bit halves: u0 = [sums of f0..f3 over lanes 0-3 | over lanes 4-7], u1 for f4..f7 */
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(f[4], f[5]), _mm256_hadd_ps(f[6], f[7]));
     return (v8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-#endif
 }
+#endif
 #endif
 
 /* Chunk v (LANES channels) of one row of codes as floats, in registers: the floats `unpack` writes, without the trip
@@ -286,36 +290,83 @@ static inline __attribute__((always_inline)) vr code_chunk(const uint8_t *row, i
 #define VALUE_HEADS 3
 
 #ifdef __AVX__
+#if LANES == 16
+/* r[g] = qx[g] . (the codes of row j), for NG heads, over the chunks in order (code_chunk); for int4 (`half`) chunk
+ * v (low nibbles) and v + half (high) from one load of the bytes, as in score8_ng's other loop */
+static inline __attribute__((always_inline)) void score_code_row(const int64_t NG, int j, float (*restrict qx)[MAX_D],
+                                                                 int64_t Vn, const uint8_t *const *code_rows,
+                                                                 int64_t half, vr *r) {
+    for (int64_t g = 0; g < NG; g++) r[g] = (vr){0};
+    if (half) {
+        for (int64_t v = 0; v < half; v++) {
+            const vr lo = code_chunk(code_rows[j], v, half), hi = code_chunk(code_rows[j], v + half, half);
+            for (int64_t g = 0; g < NG; g++) {
+                r[g] += VR(qx[g])[v] * lo;
+                r[g] += VR(qx[g])[v + half] * hi;
+            }
+        }
+        return;
+    }
+    for (int64_t v = 0; v < Vn; v++) {
+        const vr x = code_chunk(code_rows[j], v, 0);
+        for (int64_t g = 0; g < NG; g++) r[g] += VR(qx[g])[v] * x;
+    }
+}
+#endif
+
 /* sc[g * Ns + j] = qx[g] . rows[j] (+ qz[g]) for eight rows and NG heads: the 8 x NG sums are independent
- * chains (not one chain of Vn multiply-adds per row, whose latency held the loop), reduced eight at a time */
+ * chains (not one chain of Vn multiply-adds per row, whose latency held the loop), reduced eight at a time
+ * (a transposing tree: pair_rows, quad_rows, eight_rows; hsum8 without AVX-512). With `code_rows` the rows are codes widened in registers (code_chunk), and with AVX-512 a pass
+ * takes them row by row, reducing a pair of rows as it finishes: all eight rows' sums beside the query's chunks
+ * outnumbered the registers, and the compiler kept the sums in memory (0.87-0.89x the decode's time at D 64,
+ * int8 and int4: benchmarks/decode_c_versions.py). Float rows go a chunk at a time over the eight, each chunk of
+ * the query loaded once for them. Each row's sum runs over the chunks in order either way: the same bits */
 static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, const float *restrict rows, int64_t Dp,
                                                             float (*restrict qx)[MAX_D], const float *qz, float *sc,
                                                             int64_t Ns, int64_t Vn, const uint8_t *const *code_rows,
                                                             int64_t half) {
+#if LANES == 16
+    __m512 t[SCORE_HEADS][2], u[SCORE_HEADS][2];
+    if (code_rows) {
+#pragma GCC unroll 4
+        for (int pair = 0; pair < 4; pair++) {  /* (unrolled: t and u stay in registers) */
+            vr a[SCORE_HEADS], b[SCORE_HEADS];
+            score_code_row(NG, 2 * pair, qx, Vn, code_rows, half, a);
+            score_code_row(NG, 2 * pair + 1, qx, Vn, code_rows, half, b);
+            for (int64_t g = 0; g < NG; g++) t[g][pair & 1] = pair_rows(a[g], b[g]);
+            if (pair & 1)
+                for (int64_t g = 0; g < NG; g++) u[g][pair >> 1] = quad_rows(t[g][0], t[g][1]);
+        }
+    } else {
+        vr p[SCORE_HEADS][8];
+        for (int64_t g = 0; g < NG; g++)
+            for (int j = 0; j < 8; j++) p[g][j] = (vr){0};
+        for (int64_t v = 0; v < Vn; v++)
+            for (int j = 0; j < 8; j++)
+                for (int64_t g = 0; g < NG; g++) p[g][j] += VR(qx[g])[v] * VR(rows + j * Dp)[v];
+        for (int64_t g = 0; g < NG; g++) {
+            u[g][0] = quad_rows(pair_rows(p[g][0], p[g][1]), pair_rows(p[g][2], p[g][3]));
+            u[g][1] = quad_rows(pair_rows(p[g][4], p[g][5]), pair_rows(p[g][6], p[g][7]));
+        }
+    }
+    for (int64_t g = 0; g < NG; g++) {  /* (one vector store: lane by lane, the stores took 7% of this loop) */
+        const v8 s8 = qz ? eight_rows(u[g][0], u[g][1]) + qz[g] : eight_rows(u[g][0], u[g][1]);
+        memcpy(sc + g * Ns, &s8, sizeof s8);
+    }
+#else
     vr p[SCORE_HEADS][8];
     for (int64_t g = 0; g < NG; g++)
         for (int j = 0; j < 8; j++) p[g][j] = (vr){0};
-#if LANES == 16
-    if (code_rows && half) {  /* int4: chunk v (low nibbles) and v + half (high) from one load of the bytes */
-        for (int64_t v = 0; v < half; v++)
-            for (int j = 0; j < 8; j++) {
-                const vr lo = code_chunk(code_rows[j], v, half), hi = code_chunk(code_rows[j], v + half, half);
-                for (int64_t g = 0; g < NG; g++) {
-                    p[g][j] += VR(qx[g])[v] * lo;
-                    p[g][j] += VR(qx[g])[v + half] * hi;
-                }
-            }
-    } else
-#endif
     for (int64_t v = 0; v < Vn; v++)
         for (int j = 0; j < 8; j++) {  /* rows[j], or with code_rows the codes of row j (code_chunk) */
             const vr x = code_rows ? code_chunk(code_rows[j], v, half) : VR(rows + j * Dp)[v];
             for (int64_t g = 0; g < NG; g++) p[g][j] += VR(qx[g])[v] * x;
         }
-    for (int64_t g = 0; g < NG; g++) {  /* (one vector store: lane by lane, the stores took 7% of this loop) */
+    for (int64_t g = 0; g < NG; g++) {
         const v8 s8 = qz ? hsum8(p[g]) + qz[g] : hsum8(p[g]);
         memcpy(sc + g * Ns, &s8, sizeof s8);
     }
+#endif
 }
 #endif
 

@@ -13,7 +13,7 @@ uses lives). Everything stays on 127.0.0.1 and is capped
 in count and time. Run it with the vLLM venv's python:
 
     python benchmarks/vllm_load.py [--budget-mib 48] [--requests 32] [--prompt-tokens 512 1024] [--tokens 256]
-                                   [--capacity 1024] [--rate 0.15] [--modes burst steady] [--engines stock 8 4]
+                                   [--capacity 1024] [--rate 0.3] [--modes burst steady] [--engines stock 8 4]
                                    [--sweep 1 2 4 8 16] [--json out.json]
 """
 from __future__ import annotations

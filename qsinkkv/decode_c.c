@@ -9,8 +9,9 @@
  * float32 array of rows, packed, and each query head's dot products run over them. Scores of a quantized
  * block fold the key scales into the query, once per block:  q . k_t = (q * s_blk) . codes_t + q . z_blk.
  * Values are added LANES channels at a time with the G heads' sums held in registers across the segment's
- * rows; a quantized value row is dequantized there (codes * s + z of the chunk's channel group, float32 as
- * the reference does) when a group is whole vectors, else row by row first. Every product runs over aligned
+ * rows; a quantized value block folds its scales into the probabilities when a group is whole vectors,
+ * sum_t p_t (codes_t * s_t + z_t) = sum_t (p_t * s_t) . codes_t + sum_t p_t z_t (the zeros' term per group,
+ * added once per unit), else its rows are dequantized row by row first. Every product runs over aligned
  * local arrays in a fixed order, so a unit's result does not depend on the batch it is in, nor on the
  * thread that computes it.
  *
@@ -425,7 +426,7 @@ static inline __attribute__((always_inline)) void accumulate_tile(
     int64_t ch[VALUE_TILE], k[VALUE_TILE];
     for (int64_t t = 0; t < CT; t++) {
         ch[t] = pairs && t >= CT / 2 ? c0 + t - CT / 2 + half : c0 + t;
-        k[t] = ch[t] / cpk;
+        k[t] = K == 1 ? 0 : ch[t] / cpk;
         for (int64_t g = 0; g < NG; g++) r[g][t] = (vr){0};
     }
     for (int64_t i = 0; i < n; i++) {
@@ -473,9 +474,12 @@ static void accumulate(int64_t ng, int64_t n, const float *rows, int64_t Dp, con
     for (int64_t g = 0; g < ng; g += VALUE_HEADS) {
         const float *wg = w + g * R;
         switch (ng - g < VALUE_HEADS ? ng - g : VALUE_HEADS) {
+/* (each source its own inlined copy, and one weight a row (K 1) its own: its weight broadcast once a row) */
 #define CASE(NG) \
         case NG: \
-            if (code_rows && half) accumulate_ng(NG, n, rows, Dp, wg, R, K, cpk, Vn, acc + g, code_rows, half); \
+            if (code_rows && half && K == 1) accumulate_ng(NG, n, rows, Dp, wg, R, 1, cpk, Vn, acc + g, code_rows, half); \
+            else if (code_rows && half) accumulate_ng(NG, n, rows, Dp, wg, R, K, cpk, Vn, acc + g, code_rows, half); \
+            else if (code_rows && K == 1) accumulate_ng(NG, n, rows, Dp, wg, R, 1, cpk, Vn, acc + g, code_rows, 0); \
             else if (code_rows) accumulate_ng(NG, n, rows, Dp, wg, R, K, cpk, Vn, acc + g, code_rows, 0); \
             else if (K > 1) accumulate_ng(NG, n, rows, Dp, wg, R, K, cpk, Vn, acc + g, NULL, 0); \
             else accumulate_ng(NG, n, rows, Dp, wg, R, 1, Vn, Vn, acc + g, NULL, 0); \
@@ -628,7 +632,8 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
     const int64_t G = a->G, D = a->D, S = a->S, bs = a->bs, nq = a->quant_slots;
     const int64_t F = a->float_rows, N = S + nq * bs + F, Ns = (N + 15) / 16 * 16, Dc = a->bits == 4 ? D / 2 : D;
     const int64_t Vn = (D + LANES - 1) / LANES, Dp = Vn * LANES, groups = a->groups, gsz = groups ? D / groups : D;
-    /* value groups of whole vectors are dequantized in registers as they are added; others row by row first */
+    /* value groups of whole vectors fold their scales into the probabilities (fold_value_scales); others are
+     * dequantized row by row first */
     const int in_registers = groups && gsz % LANES == 0;
     /* codes of whole vectors are widened in registers as they are used (code_chunk); others unpacked into rows. int4
      * only where one pass covers the query heads: each pass widens the codes again, and a nibble takes a mask or a

@@ -225,7 +225,8 @@ static inline int64_t seen_rows(const float *bias, int64_t n, int64_t *restrict 
  * lanes 8-15 b's; quad_rows (of pair_rows of rows 0,1 and 2,3): 128-bit lane k holds four partial sums of row k;
  * eight_rows (of quad_rows of rows 0-3 and 4-7): lane j the sum of row j */
 static inline __m512 pair_rows(vr a, vr b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x44), _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x44),
+                         _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xEE));
 }
 
 static inline __m512 quad_rows(__m512 t0, __m512 t1) {
@@ -317,11 +318,12 @@ static inline __attribute__((always_inline)) void score_code_row(const int64_t N
 
 /* sc[g * Ns + j] = qx[g] . rows[j] (+ qz[g]) for eight rows and NG heads: the 8 x NG sums are independent
  * chains (not one chain of Vn multiply-adds per row, whose latency held the loop), reduced eight at a time
- * (a transposing tree: pair_rows, quad_rows, eight_rows; hsum8 without AVX-512). With `code_rows` the rows are codes widened in registers (code_chunk), and with AVX-512 a pass
- * takes them row by row, reducing a pair of rows as it finishes: all eight rows' sums beside the query's chunks
- * outnumbered the registers, and the compiler kept the sums in memory (0.87-0.89x the decode's time at D 64,
- * int8 and int4: benchmarks/decode_c_versions.py). Float rows go a chunk at a time over the eight, each chunk of
- * the query loaded once for them. Each row's sum runs over the chunks in order either way: the same bits */
+ * (a transposing tree: pair_rows, quad_rows, eight_rows; hsum8 without AVX-512). With `code_rows` the rows are
+ * codes widened in registers (code_chunk), and with AVX-512 a pass takes them row by row, reducing a pair of rows
+ * as it finishes: all eight rows' sums beside the query's chunks outnumbered the registers, and the compiler kept
+ * the sums in memory (the C decode 0.87-0.89x its time at D 64, int8 and int4, against the commit before:
+ * benchmarks/decode_c_versions.py). Float rows go a chunk at a time over the eight, each chunk of the query loaded
+ * once for them. Each row's sum runs over the chunks in order either way: the same bits */
 static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, const float *restrict rows, int64_t Dp,
                                                             float (*restrict qx)[MAX_D], const float *qz, float *sc,
                                                             int64_t Ns, int64_t Vn, const uint8_t *const *code_rows,
@@ -434,7 +436,8 @@ static inline __attribute__((always_inline)) void accumulate_tile(
 #if LANES == 16
         if (pairs)
             for (int64_t t = 0; t < CT / 2; t++) {
-                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(code_rows[i] + ch[t] * LANES)));
+                const __m128i row_bytes = _mm_loadu_si128((const __m128i *)(code_rows[i] + ch[t] * LANES));
+                const __m512i bytes = _mm512_cvtepu8_epi32(row_bytes);
                 const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
                 x[t] = (vr)_mm512_permutexvar_ps(bytes, nibbles);  /* (code_chunk's table, as there) */
                 x[t + CT / 2] = (vr)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), nibbles);

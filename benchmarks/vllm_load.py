@@ -1,20 +1,21 @@
 """A memory-bound serving run: vLLM's OpenAI server (stock CPU_ATTN, and the qsinkkv plugin at bits 8 and 4) under one
 KV budget small enough that stock runs only a few requests at once, fed the same requests -- prompts of
 ``--prompt-tokens`` random token ids (fixed seed), ``--tokens`` new tokens each, greedy, streamed -- all at once
-(``burst``) and at a steady Poisson arrival rate (``steady``). Per engine and mode: the running requests (vLLM's own
-gauge ``vllm:num_requests_running``, polled every ``--poll`` s: peak and time mean), preemptions
+(``burst``) and at a steady Poisson arrival rate (``steady``). Per budget, engine and mode: the running requests
+(vLLM's own gauge ``vllm:num_requests_running``, polled every ``--poll`` s: peak and time mean), preemptions
 (``vllm:num_preemptions_total``), output tokens/s, TTFT and TPOT p50/p99 (client side, from the stream), wall time.
-Beside it, stock's own tokens/s at batch 1, 2, 4, 8, 16 with a pool that holds them all (``--sweep``), so that the
-ratio can be read against what batching alone gives on this machine.
+Beside it, each of ``--sweep-engines`` alone at batch 1, 2, 4, 8, 16 with a pool that holds them all (``--sweep``):
+what batching alone gives on this machine (so that the budget's ratio can be read against it), and the engines'
+tokens/s, TTFT and TPOT at equal batch.
 
 The budget is bytes: each engine gets ``--num-gpu-blocks-override`` = budget // (its block's bytes x layers)
 (stock: bf16 blocks of ``--stock-block`` tokens, set explicitly; bits 8/4: qsinkkv's pages, where every byte it
-uses lives). Everything stays on 127.0.0.1 and is capped
-in count and time. Run it with the vLLM venv's python:
+uses lives); several budgets run one after another. Everything stays on 127.0.0.1 and is capped in count and time.
+Run it with the vLLM venv's python:
 
-    python benchmarks/vllm_load.py [--budget-mib 48] [--requests 32] [--prompt-tokens 512 1024] [--tokens 256]
+    python benchmarks/vllm_load.py [--budget-mib 48 ...] [--requests 32] [--prompt-tokens 512 1024] [--tokens 256]
                                    [--capacity 1024] [--rate 0.3] [--modes burst steady] [--engines stock 8 4]
-                                   [--sweep 1 2 4 8 16] [--json out.json]
+                                   [--sweep 1 2 4 8 16] [--sweep-engines stock 4] [--json out.json]
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def warm(port: int, model: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget-mib", type=float, default=48, help="KV bytes every engine gets, MiB (default 48)")
+    ap.add_argument("--budget-mib", type=float, nargs="+", default=[48],
+                    help="KV bytes every engine gets, MiB; several: one run each (default 48)")
     ap.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[512, 1024], metavar=("LO", "HI"),
                     help="prompt lengths, uniform in [LO, HI] (default 512 1024)")
@@ -152,7 +154,9 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=["burst", "steady"], choices=["burst", "steady"])
     ap.add_argument("--engines", nargs="+", default=["stock", "8", "4"], help="stock, 16, 8, 4 (default stock 8 4)")
     ap.add_argument("--sweep", type=int, nargs="*", default=[1, 2, 4, 8, 16],
-                    help="stock's batch sizes with a pool that holds them (default 1 2 4 8 16; none: skip)")
+                    help="batch sizes with a pool that holds them (default 1 2 4 8 16; none: skip)")
+    ap.add_argument("--sweep-engines", nargs="+", default=["stock", "4"],
+                    help="the engines the sweep runs: stock, 16, 8, 4 (default stock 4)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--poll", type=float, default=0.25, help="seconds between /metrics samples (default 0.25)")
     ap.add_argument("--deadline", type=float, default=1800, help="seconds one run may take (default 1800)")
@@ -171,32 +175,39 @@ def main(argv=None) -> None:
         t += rng.expovariate(args.rate)
     arrivals = {"burst": [0.0] * len(prompts), "steady": steady}
     max_model_len = args.prompt_tokens[1] + args.tokens
-    budget = int(args.budget_mib * 2**20)
     result = {"config": vars(args), "model": model_dir.name, "shape": shape, "runs": [], "sweep": []}
-    for name in args.engines:
+
+    def engine(name: str) -> tuple[str, dict | None, int | None]:
         bits = None if name == "stock" else int(name)
-        qcfg = None if bits is None else {**cfg, "bits": bits}
-        per_block = block_bytes(bits, cfg, shape, args.stock_block)
-        blocks = budget // per_block
         label = "stock CPU_ATTN" if bits is None else f"qsinkkv bits={bits}"
+        return label, (None if bits is None else {**cfg, "bits": bits}), bits
+
+    for mib in args.budget_mib:
+        for name in args.engines:
+            label, qcfg, bits = engine(name)
+            per_block = block_bytes(bits, cfg, shape, args.stock_block)
+            blocks = int(mib * 2**20) // per_block
+            stock_block = args.stock_block if bits is None else None
+            with serving(server_args(max_model_len, args.max_num_seqs, blocks, stock_block), qcfg,
+                         f"load-{name}") as s:
+                warm(s["port"], s["model"])
+                for mode in args.modes:
+                    r = drive(s["port"], s["model"], prompts, args.tokens, arrivals[mode], args.poll, args.deadline)
+                    result["runs"].append({"budget_mib": mib, "engine": label, "mode": mode, "blocks": blocks,
+                                           "block_bytes": per_block, "block_tokens": stock_block or args.block, **r})
+                    print(f"{mib:g} MiB {label} {mode}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                    save_json(args.json, result)
+    for name in args.sweep_engines if args.sweep else []:
+        label, qcfg, bits = engine(name)
         stock_block = args.stock_block if bits is None else None
-        with serving(server_args(max_model_len, args.max_num_seqs, blocks, stock_block), qcfg, f"load-{name}") as s:
-            warm(s["port"], s["model"])
-            for mode in args.modes:
-                r = drive(s["port"], s["model"], prompts, args.tokens, arrivals[mode], args.poll, args.deadline)
-                result["runs"].append({"engine": label, "mode": mode, "blocks": blocks, "block_bytes": per_block,
-                                       "block_tokens": stock_block or args.block, **r})
-                print(f"{label} {mode}: {json.dumps(r)}", file=sys.stderr, flush=True)
-                save_json(args.json, result)
-    if args.sweep:
-        with serving(server_args(max_model_len, max(args.sweep), None, args.stock_block), None, "load-sweep") as s:
+        with serving(server_args(max_model_len, max(args.sweep), None, stock_block), qcfg, f"load-sweep-{name}") as s:
             warm(s["port"], s["model"])
             for b in args.sweep:
                 r = drive(s["port"], s["model"], prompts[:b], args.tokens, [0.0] * b, args.poll, args.deadline)
-                result["sweep"].append({"batch": b, **r})
-                print(f"stock batch {b}: {json.dumps(r)}", file=sys.stderr, flush=True)
+                result["sweep"].append({"engine": label, "batch": b, **r})
+                print(f"{label} batch {b}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 save_json(args.json, result)
-    report(result, args, budget)
+    report(result, args)
 
 
 def ratio(row: dict, base: dict | None, key: str) -> str:
@@ -204,32 +215,41 @@ def ratio(row: dict, base: dict | None, key: str) -> str:
     return f"{row[key] / base[key]:.2f}" if base and base[key] else "-"
 
 
-def report(result: dict, args, budget: int) -> None:
+def report(result: dict, args) -> None:
     L, Hkv, D = result["shape"]
     print(f"vLLM OpenAI server, {args.requests} requests of {args.prompt_tokens[0]}-{args.prompt_tokens[1]}-token "
           f"prompts (random ids, seed {args.seed}) x {args.tokens} new tokens, greedy, streamed; KV budget "
-          f"{budget / 2**20:g} MiB per engine; bf16, enforce_eager, max_num_seqs {args.max_num_seqs}; qsinkkv S="
-          f"{args.sink_tokens} W={args.recent_tokens} (capacity {args.capacity}), block {args.block}; "
-          f"{result['model']}: {L} layers, {Hkv} KV heads, head_dim {D}; steady: Poisson, {args.rate:g} requests/s")
-    table_header(["mode", "engine", "blocks x tokens", "peak running", "x stock", "mean running", "preemptions",
-                  "output tokens/s", "x stock", "TTFT p50 / p99 s", "TPOT p50 / p99 ms", "wall s"], left=2)
-    for mode in args.modes:
-        rows = [r for r in result["runs"] if r["mode"] == mode]
-        base = next((r for r in rows if r["engine"].startswith("stock")), None)
-        for r in rows:
-            x_peak, x_tps = (ratio(r, base, key) for key in ("peak_running", "output_tokens_per_s"))
-            print(f"| {mode} | {r['engine']} | {r['blocks']} x {r['block_tokens']} | {r['peak_running']:.0f} | "
-                  f"{x_peak} | "
-                  f"{r['mean_running']:.1f} | {r['preemptions']:.0f} | {r['output_tokens_per_s']:.1f} | {x_tps} | "
-                  f"{r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} | {r['tpot_p50_ms']:.0f} / "
-                  f"{r['tpot_p99_ms']:.0f} | {r['wall_s']:.0f} |")
+          f"{', '.join(f'{m:g}' for m in args.budget_mib)} MiB per engine; bf16, enforce_eager, max_num_seqs "
+          f"{args.max_num_seqs}; qsinkkv S={args.sink_tokens} W={args.recent_tokens} (capacity {args.capacity}), "
+          f"block {args.block}; {result['model']}: {L} layers, {Hkv} KV heads, head_dim {D}; steady: Poisson, "
+          f"{args.rate:g} requests/s")
+    table_header(["budget MiB", "mode", "engine", "blocks x tokens", "peak running", "x stock", "mean running",
+                  "preemptions", "output tokens/s", "x stock", "TTFT p50 / p99 s", "TPOT p50 / p99 ms", "wall s"],
+                 left=3)
+    for mib in args.budget_mib:
+        for mode in args.modes:
+            rows = [r for r in result["runs"] if r["mode"] == mode and r["budget_mib"] == mib]
+            base = next((r for r in rows if r["engine"].startswith("stock")), None)
+            for r in rows:
+                x_peak, x_tps = (ratio(r, base, key) for key in ("peak_running", "output_tokens_per_s"))
+                print(f"| {mib:g} | {mode} | {r['engine']} | {r['blocks']} x {r['block_tokens']} | "
+                      f"{r['peak_running']:.0f} | {x_peak} | {r['mean_running']:.1f} | {r['preemptions']:.0f} | "
+                      f"{r['output_tokens_per_s']:.1f} | {x_tps} | {r['ttft_p50_s']:.1f} / {r['ttft_p99_s']:.1f} | "
+                      f"{r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} | {r['wall_s']:.0f} |")
     if result["sweep"]:
-        print("stock alone, a pool that holds every request (the first B prompts, all at once): what batching gives")
-        table_header(["batch", "output tokens/s", "x batch 1", "mean running", "TPOT p50 ms"])
-        one = result["sweep"][0]
-        for r in result["sweep"]:
-            print(f"| {r['batch']} | {r['output_tokens_per_s']:.1f} | {ratio(r, one, 'output_tokens_per_s')} | "
-                  f"{r['mean_running']:.1f} | {r['tpot_p50_ms']:.0f} |")
+        print("each engine alone, a pool that holds every request (the first B prompts, all at once): what batching "
+              "gives, and the engines at equal batch (x stock: the same batch's stock row)")
+        table_header(["batch", "engine", "output tokens/s", "x batch 1", "x stock", "mean running", "TTFT p50 s",
+                      "x stock", "TPOT p50 ms", "x stock"], left=2)
+        for b in args.sweep:
+            rows = [r for r in result["sweep"] if r["batch"] == b]
+            base = next((r for r in rows if r["engine"].startswith("stock")), None)
+            for r in rows:
+                one = next(x for x in result["sweep"] if x["engine"] == r["engine"])
+                print(f"| {b} | {r['engine']} | {r['output_tokens_per_s']:.1f} | "
+                      f"{ratio(r, one, 'output_tokens_per_s')} | {ratio(r, base, 'output_tokens_per_s')} | "
+                      f"{r['mean_running']:.1f} | {r['ttft_p50_s']:.2f} | {ratio(r, base, 'ttft_p50_s')} | "
+                      f"{r['tpot_p50_ms']:.0f} | {ratio(r, base, 'tpot_p50_ms')} |")
 
 
 if __name__ == "__main__":

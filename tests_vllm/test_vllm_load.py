@@ -1,6 +1,7 @@
 """``benchmarks/vllm_load.py`` at a tiny size (stock and int4, 3 requests of 40-60 tokens x 24, burst and steady, a
-one-batch sweep): every request completes whole, each engine gets the blocks its budget buys at its own block size,
-the gauge saw the requests run, and the table prints. A stale call in the script fails here, not in a user's run."""
+one-batch sweep of the plugin): every request completes whole, each engine gets the blocks its budget buys at its own
+block size, the gauge saw the requests run, and the tables print. A stale call in the script fails here, not in
+a user's run."""
 import json
 import subprocess
 import sys
@@ -16,7 +17,8 @@ def test_load_run_tiny(tmp_path):
     out = tmp_path / "load.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_load.py"), "--requests", "3",
                         "--prompt-tokens", "40", "60", "--tokens", "24", "--capacity", "64", "--budget-mib", "16",
-                        "--rate", "4", "--poll", "0.05", "--engines", "stock", "4", "--sweep", "1", "--json", str(out)],
+                        "--rate", "4", "--poll", "0.05", "--engines", "stock", "4", "--sweep", "1",
+                        "--sweep-engines", "4", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(out.read_text())
@@ -28,8 +30,9 @@ def test_load_run_tiny(tmp_path):
     for run in r["runs"]:
         bits = None if run["engine"].startswith("stock") else 4
         assert run["block_bytes"] == block_bytes(bits, cfg, shape, 128)
-        assert run["blocks"] == 16 * 2**20 // run["block_bytes"]
+        assert run["budget_mib"] == 16 and run["blocks"] == 16 * 2**20 // run["block_bytes"]
         assert run["samples"] >= 1 and run["output_tokens_per_s"] > 0 and run["ttft_p50_s"] > 0
     assert max(run["peak_running"] for run in r["runs"]) >= 1  # (the gauge sees requests run; a tiny run is short)
-    assert [x["batch"] for x in r["sweep"]] == [1]
-    assert "| burst | qsinkkv bits=4 |" in p.stdout and "| 1 |" in p.stdout
+    assert [(x["engine"], x["batch"]) for x in r["sweep"]] == [("qsinkkv bits=4", 1)]
+    assert r["sweep"][0]["output_tokens_per_s"] > 0 and r["sweep"][0]["ttft_p50_s"] > 0
+    assert "| 16 | burst | qsinkkv bits=4 |" in p.stdout and "| 1 | qsinkkv bits=4 |" in p.stdout

@@ -177,17 +177,19 @@ def main(argv=None) -> None:
     max_model_len = args.prompt_tokens[1] + args.tokens
     result = {"config": vars(args), "model": model_dir.name, "shape": shape, "runs": [], "sweep": []}
 
-    def engine(name: str) -> tuple[str, dict | None, int | None]:
+    def engine(name: str) -> tuple[str, dict | None, int | None, int | None]:
+        """label, plugin config (None: stock), bits (None: stock), the block size to set (stock's; the plugin
+        sets its own)."""
         bits = None if name == "stock" else int(name)
-        label = "stock CPU_ATTN" if bits is None else f"qsinkkv bits={bits}"
-        return label, (None if bits is None else {**cfg, "bits": bits}), bits
+        if bits is None:
+            return "stock CPU_ATTN", None, None, args.stock_block
+        return f"qsinkkv bits={bits}", {**cfg, "bits": bits}, bits, None
 
     for mib in args.budget_mib:
         for name in args.engines:
-            label, qcfg, bits = engine(name)
+            label, qcfg, bits, stock_block = engine(name)
             per_block = block_bytes(bits, cfg, shape, args.stock_block)
             blocks = int(mib * 2**20) // per_block
-            stock_block = args.stock_block if bits is None else None
             with serving(server_args(max_model_len, args.max_num_seqs, blocks, stock_block), qcfg,
                          f"load-{name}") as s:
                 warm(s["port"], s["model"])
@@ -198,8 +200,7 @@ def main(argv=None) -> None:
                     print(f"{mib:g} MiB {label} {mode}: {json.dumps(r)}", file=sys.stderr, flush=True)
                     save_json(args.json, result)
     for name in args.sweep_engines if args.sweep else []:
-        label, qcfg, bits = engine(name)
-        stock_block = args.stock_block if bits is None else None
+        label, qcfg, _, stock_block = engine(name)
         with serving(server_args(max_model_len, max(args.sweep), None, stock_block), qcfg, f"load-sweep-{name}") as s:
             warm(s["port"], s["model"])
             for b in args.sweep:
@@ -239,8 +240,8 @@ def report(result: dict, args) -> None:
     if result["sweep"]:
         print("each engine alone, a pool that holds every request (the first B prompts, all at once): what batching "
               "gives, and the engines at equal batch (x stock: the same batch's stock row)")
-        table_header(["batch", "engine", "output tokens/s", "x batch 1", "x stock", "mean running", "TTFT p50 s",
-                      "x stock", "TPOT p50 ms", "x stock"], left=2)
+        table_header(["batch", "engine", "output tokens/s", f"x batch {args.sweep[0]}", "x stock", "mean running",
+                      "TTFT p50 s", "x stock", "TPOT p50 ms", "x stock"], left=2)
         for b in args.sweep:
             rows = [r for r in result["sweep"] if r["batch"] == b]
             base = next((r for r in rows if r["engine"].startswith("stock")), None)

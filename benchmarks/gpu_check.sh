@@ -95,8 +95,13 @@ failed=0
 step() {  # step OUTFILE TIMEOUT_S COMMAND...: stdout+stderr to OUTFILE; status and seconds to steps.txt
   local out=$1 limit=$2 t0=$SECONDS
   shift 2
-  echo "== $out (timeout ${limit}s)"
-  timeout "$limit" "$@" 2>&1 | tee "$DEST/$out"
+  if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then  # the caps are the GPU session's: a loaded CPU must not fail the smoke test
+    echo "== $out (tiny: no cap)"
+    "$@" 2>&1 | tee "$DEST/$out"
+  else
+    echo "== $out (timeout ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | tee "$DEST/$out"
+  fi
   local rc=${PIPESTATUS[0]}
   echo "$out rc=$rc $((SECONDS - t0))s (limit ${limit}s)" | tee -a "$DEST/steps.txt"
   [ "$rc" = 0 ] || failed=1

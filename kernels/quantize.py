@@ -55,7 +55,8 @@ def _channel_stats(x, ok, QMAX: tl.constexpr, SCALE_DTYPE: tl.constexpr):
 def _scale_zero(lo, hi, QMAX: tl.constexpr, SCALE_DTYPE: tl.constexpr):
     """The stored scale ``(max - min) / qmax`` (correctly rounded division) and zero ``min`` of a
     group's ``lo = min`` and ``hi = max``, rounded to the storage dtype."""
-    return _round_to(tl.math.div_rn(hi - lo, QMAX * 1.0), SCALE_DTYPE), _round_to(lo, SCALE_DTYPE)
+    # (+ 0: a zero is +0 whichever sign the min or max of equal zeros has, quant.py's rule)
+    return _round_to(tl.math.div_rn(hi - lo, QMAX * 1.0) + 0.0, SCALE_DTYPE), _round_to(lo + 0.0, SCALE_DTYPE)
 
 
 @triton.jit

@@ -144,7 +144,9 @@ class PagedBlocks:
                 + ", ".join(f"{count[k]} more {k} blocks ({free[k]} free)" for k in count)
                 + "; release a sequence or give it fewer new tokens")
         for kind, rows in shrink.items():
-            for b, n, h in rows:
+            # (the last row first, each row's last block first: a shrink that undoes a grow -- a refused step rolled
+            # back -- leaves the free list exactly as it was, so later steps take the same blocks)
+            for b, n, h in reversed(rows):
                 self._give(kind, self.host[kind][b, n:h].tolist())
                 self.host[kind][b, n:h] = -1
                 held[kind][b] = n

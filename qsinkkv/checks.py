@@ -185,6 +185,7 @@ def table(name: str, table: Tensor, blocks: int, pool: str, none_ok: bool = True
     """Every entry of ``table`` (an int tensor on the host or the CPU: one min/max) names one of the ``blocks``
     blocks of ``pool``, or is -1 (no block; only where ``none_ok``). A table is input: an entry past the pool would
     have an op read or write outside it."""
+    table_dtype(name, table)
     if not table.numel():
         return
     least = -1 if none_ok else 0
@@ -202,11 +203,17 @@ def table(name: str, table: Tensor, blocks: int, pool: str, none_ok: bool = True
                          + f"; got {bad}")
 
 
+def table_dtype(name: str, table: Tensor) -> None:
+    if table.dtype not in (torch.int64, torch.int32):  # (a float entry of 0.7 would be read as block 0)
+        raise ValueError(f"{name} must be an int64 (or int32) tensor of block indices, got {table.dtype}")
+
+
 def table_in_step(name: str, entries: Tensor, blocks: int, pool: str, none_ok: bool = True) -> None:
     """``table``'s check of ``entries`` without a host read, for a table an engine's step gathers on its device: one
     reduction and ``torch._assert_async``. On the CPU it is ``table`` (the error names the entries); on a GPU it is
     a device-side assert, raised at the next sync: the step stops the engine instead of
     touching a page outside the pool (its message is generic there; the condition is this one)."""
+    table_dtype(name, entries)
     if not entries.numel():
         return
     if entries.device.type == "cpu":  # (no device to spare a read: table's numpy min/max, a few microseconds)
@@ -271,7 +278,7 @@ def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor
             ok["q"].append(all_finite(qg, real))
     named = {name: torch.stack(x).all() for name, x in ok.items() if x}
     if sink_logits is not None:
-        named["sink_logits"] = ~(torch.isnan(sink_logits) | (sink_logits == float("inf"))).any()
+        named["sink_logits"] = sink_logits_ok(sink_logits)
     refused(dict(zip(named, torch.stack(list(named.values())).tolist())) if named else {})
 
 
@@ -282,7 +289,7 @@ def _raise_refused(ok: dict[str, bool], config: CacheConfig, rows=None, kv: dict
     if bad in ("k", "v"):
         limit = "" if config.bits == 16 else (
             f", or |x| >= {window_bound(config, torch.float64):.6g} in the window (its block's zero or scale "
-            f"would overflow scale_dtype={config.scale_dtype})")
+            f"would overflow scale_dtype={config.scale_dtype}, or its max - min would overflow float32)")
         which = "" if rows is None else "; refused: rows {} ({} tokens, max |x| {:.4g})".format(*rows(kv[bad]))
         raise ValueError(f"{bad} contains NaN or Inf, or values that overflow the storage dtype "
                          f"(sink_dtype={config.sink_dtype}, window_dtype={config.window_dtype}){limit}; "
@@ -297,8 +304,16 @@ SINK_LOGITS_REFUSED = "sink_logits must be free of NaN and +inf (-inf means no s
 
 
 def sink_logits_fit(logits) -> bool:
-    """No NaN and no +inf in the host array (numpy) ``logits``: -inf is a head with no sink."""
+    """No NaN and no +inf in the host array (numpy) ``logits``, float32 (the ops' dtype): -inf is a head with no
+    sink."""
     return not (logits != logits).any() and not (logits == math.inf).any()
+
+
+def sink_logits_ok(sink_logits: Tensor) -> Tensor:
+    """A bool tensor (no host read): ``sink_logits`` free of NaN and +inf once in float32, the dtype every op
+    computes them in (a float64 logit of 1e300 is finite, in float32 it is inf); -inf is a head with no sink. (amax
+    of a tensor holding a NaN is NaN, which fails the comparison.)"""
+    return torch.amax(sink_logits.float()) < math.inf
 
 
 def _refused_rows(config: CacheConfig, seq_lens: Tensor, split: Split | None, x: Tensor, packed: bool
@@ -351,8 +366,8 @@ def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None
     if ok is None:  # (or one of them is not finite: which)
         tops = peaks([x for x, _ in named.values()])
         ok = {name: p < limit for (name, (_, limit)), p in zip(named.items(), tops)}
-    if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
-        ok["sink_logits"] = torch.amax(sink_logits).item() < math.inf
+    if sink_logits is not None:
+        ok["sink_logits"] = bool(sink_logits_ok(sink_logits))
     return ok
 
 
@@ -401,8 +416,8 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
         named[name] = (top < bound).all()
     if q is not None:
         named["q"] = peak(q) < math.inf
-    if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
-        named["sink_logits"] = torch.amax(sink_logits) < math.inf
+    if sink_logits is not None:
+        named["sink_logits"] = sink_logits_ok(sink_logits)
     return dict(zip(named, torch.stack(list(named.values())).tolist()))
 
 
@@ -420,8 +435,8 @@ def packed_tokens_fit_in_step(config: CacheConfig, seq_lens: Tensor, split: Spli
         fits.append((peak(x.flatten(1), dim=1).double() < bound).all())
     if q is not None:
         fits.append(peak(q) < math.inf)
-    if sink_logits is not None:  # -inf is allowed, NaN and +inf are not
-        fits.append(~(torch.isnan(sink_logits) | (sink_logits == math.inf)).any())
+    if sink_logits is not None:
+        fits.append(sink_logits_ok(sink_logits))
 
     def error() -> Exception:
         cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
@@ -490,13 +505,16 @@ def overflow_bound(dtype: torch.dtype, source: torch.dtype) -> float:
 @functools.lru_cache(maxsize=64)  # (a pure function of its arguments, asked at every step of every layer)
 def window_bound(config: CacheConfig, source: torch.dtype) -> float:
     """|x| of a ``source`` value at or above this is refused for the window, when it arrives: it would be inf once
-    cast to ``window_dtype``, or (bits 8/4) its block's quantization would overflow ``scale_dtype`` whatever the
-    block's other tokens. A block's zero is its min and its scale (max - min) / (2^bits - 1) <= 2 max|x| / 15 <
-    max|x|, both computed in float32 from the stored values: every stored |x| below ``scale_dtype``'s bound keeps
-    both finite. So a token is refused as it arrives, naming it, never a block later for the whole batch."""
+    cast to ``window_dtype``, or (bits 8/4) its block's quantization would overflow whatever the block's other
+    tokens. A block's zero is its min and its scale (max - min) / (2^bits - 1) <= 2 max|x| / 15 < max|x|, both
+    computed in float32 from the stored values: every stored |x| below ``scale_dtype``'s bound keeps both finite
+    once stored, and every |x| <= float32's max / 2 keeps ``max - min`` itself finite in float32 (a block of 3e38
+    and -3e38 would overflow there first, whatever ``scale_dtype``). So a token is refused as it arrives, naming it,
+    never a block later for the whole batch."""
     bound = overflow_bound(config.window_dtype, source)
     if config.bits != 16:
-        bound = min(bound, rounds_below(config.window_dtype, overflow_bound(config.scale_dtype, torch.float32)))
+        stats = min(overflow_bound(config.scale_dtype, torch.float32), torch.finfo(torch.float32).max / 2)
+        bound = min(bound, rounds_below(config.window_dtype, stats))
     return bound
 
 

@@ -131,7 +131,13 @@ def decode_blocks_torch(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: 
     none = block_table < 0  # no block: its slots unseen, as the C and Triton kernels read them (not pool[-1])
     bias = bias.masked_fill(none.repeat_interleave(bs, dim=1), float("-inf"))
     block_table = block_table.clamp(min=0)
-    read = lambda pool: pool[:, block_table].permute(1, 0, 2, 3, 4).reshape(B, Hkv, -1, D).float()  # noqa: E731
+    # a slot the row does not see (past its length in a reused page, masked, no block) reads as zeros in k and v, as
+    # the kernels skip it: the bias alone does not isolate an inf or NaN left there (0 x inf is NaN, so is inf + -inf)
+    unseen = (bias == float("-inf")).view(B, 1, -1, 1)
+
+    def read(pool):  # the rows' blocks [B, Hkv, nb * bs, D], unseen slots zero (in place: the gather's own copy)
+        return pool[:, block_table].permute(1, 0, 2, 3, 4).reshape(B, Hkv, -1, D).float().masked_fill_(unseen, 0)
+
     qh = q.float().view(B, Hkv, G, D) * scale
     scores = torch.matmul(qh, read(k_pool).mT).add_(bias.view(B, 1, 1, -1))             # [B, Hkv, G, nb * bs]
     if sink_logits is None:

@@ -776,23 +776,30 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
             }
             for (int64_t g = 0; g < ng; g++) {
                 const int64_t at = (b * a->Hkv * G + h * G + g0 + g) * D;
-                const float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
+                /* sum is 0 only where nothing is visible (else its max term is 1): output 0 there. A NaN sum (a score
+                 * that overflowed: inf - inf) gives NaN, as the reference does: a NaN is never turned into 0 */
+                const int none = sum[g] == 0.0f;
+                const float inv = none ? 0.0f : 1.0f / sum[g];
                 if (in_registers)  /* the quantized blocks' zeros (fold_value_scales) */
                     for (int64_t k = 0; k < groups; k++)
                         for (int64_t d = k * gsz; d < (k + 1) * gsz; d++) acc[g][d] += zt[g][k];
                 for (int64_t d = 0; d < D; d++)
-                    store_scalar(a->out, (int)a->out_dtype, at + d, sum[g] > 0.0f ? acc[g][d] * inv : 0.0f);
+                    store_scalar(a->out, (int)a->out_dtype, at + d, none ? 0.0f : acc[g][d] * inv);
             }
         }
     }
 }
 
 /* Returns 0, or -1 when a size is beyond this file's fixed arrays, or -2 when out of memory. */
-/* Every table entry a call may read names a block of its pool or -1 (none): else -6, before any pool is touched.
- * (A table is input: an entry past its pool would read or write outside it.) */
+/* Every table entry a call may read names a block of its pool or -1 (none): else -6, before any pool is touched;
+ * -7 where a row whose sinks are visible has no sink page (-1). (A table is input: an entry past its pool would read
+ * or write outside it.) */
 static int tables_fit(const Args *a) {
+    const int64_t N = a->S + a->quant_slots * a->bs + a->float_rows;
     for (int64_t b = 0; b < a->B; b++) {
         if (a->S > 0 && (a->sink_table[b] < -1 || a->sink_table[b] >= a->sink_blocks)) return -6;
+        /* a row that holds tokens sees its first sink: it must have a sink page (the sinks are read without a skip) */
+        if (a->S > 0 && a->sink_table[b] < 0 && a->bias && a->bias[b * N] == 0.0f) return -7;
         for (int64_t j = 0; j < a->float_slots; j++) {
             const int64_t blk = a->float_table[b * a->float_slots + j];
             if (blk < -1 || blk >= a->float_blocks) return -6;
@@ -806,10 +813,11 @@ static int tables_fit(const Args *a) {
 }
 
 /* Returns 0, -1 for sizes beyond the fixed arrays, -2 out of memory, -6 (nothing read) for a table entry past its
- * pool. */
+ * pool, -7 (nothing read) for a row with visible sinks and no sink page. */
 int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     if (a->D > MAX_D || a->D < 1 || (a->groups && a->groups > MAX_D)) return -1;
-    if (tables_fit(a)) return -6;
+    const int fit = tables_fit(a);
+    if (fit) return fit;
     const int64_t N = a->S + a->quant_slots * a->bs + a->float_rows, Ns = (N + 15) / 16 * 16;
     if (a->fr < 1 || a->float_slots * a->fr < a->float_rows) return -1;
     const int64_t Dp = (a->D + LANES - 1) / LANES * LANES, R = a->S > a->bs ? a->S : a->bs, K = a->groups > 1 ? a->groups : 1;
@@ -897,13 +905,18 @@ typedef struct {
     const int64_t *table;        /* table[seq * table_st0 + (r / rows_per_block) * table_st1]: the block */
     int64_t table_st0, table_st1;
     const int64_t *at, *seqs, *ring_rows;  /* [n]: token i is x[at[i]], goes to row ring_rows[i] of sequence seqs[i] */
+    int64_t x_rows, table_rows, table_cols;  /* tokens in x, the table's rows and columns: each index is checked */
 } Store;
 
-/* Returns 0, -1 when head_dim is beyond the fixed arrays, -5 (nothing written) when the table names no block (-1)
- * for a row, -6 (nothing written) when it names one past the pools. */
+/* Returns 0, -1 when head_dim is beyond the fixed arrays, -7 (nothing written) when an index is outside what it
+ * indexes (a token past x, a sequence or ring row past the table), -5 (nothing written) when the table names no
+ * block (-1) for a row, -6 (nothing written) when it names one past the pools. */
 int qsinkkv_store_rows(const Store *s) {
-    if (s->D > MAX_D || s->D < 1) return -1;
+    if (s->D > MAX_D || s->D < 1 || s->rows_per_block < 1) return -1;
     const int64_t xe = elem_bytes(s->x_dtype), pe = elem_bytes(s->pool_dtype);
+    for (int64_t i = 0; i < s->n; i++)  /* every index checked before any table entry is read */
+        if (s->at[i] < 0 || s->at[i] >= s->x_rows || s->seqs[i] < 0 || s->seqs[i] >= s->table_rows
+            || s->ring_rows[i] < 0 || s->ring_rows[i] / s->rows_per_block >= s->table_cols) return -7;
     for (int64_t i = 0; i < s->n; i++) {  /* every row's block checked before anything is written */
         const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (s->ring_rows[i] / s->rows_per_block) * s->table_st1];
         if (blk < 0) return -5;
@@ -982,8 +995,9 @@ static void store_n(void *restrict p, int dt, const float *restrict x, int64_t n
 static int scale_zero_n(const float *restrict lo, const float *restrict hi, int64_t n, int qmax, int sdt,
                         float *restrict scale, float *restrict zero, float *restrict div, float *restrict inv) {
     for (int64_t i = 0; i < n; i++) {
-        scale[i] = (hi[i] - lo[i]) / (float)qmax;
-        zero[i] = lo[i];
+        /* + 0: a zero is +0 whichever sign the min or max of equal zeros has (quant.py's rule) */
+        scale[i] = (hi[i] - lo[i]) / (float)qmax + 0.0f;
+        zero[i] = lo[i] + 0.0f;
     }
     round_n(scale, n, sdt);
     round_n(zero, n, sdt);
@@ -1116,13 +1130,14 @@ typedef struct {
     const int64_t *at, *seqs, *blocks, *first_new;  /* [n]: recent block blocks[i] of sequence seqs[i] completes;
                                                      * its tokens from recent index first_new[i] on are x[at[i]] on */
     int64_t float_rows;          /* the float ring's rows (0: none; the block is the new token alone) */
+    int64_t x_rows;              /* tokens in x: every token a block reads is checked against it */
 } Complete;
 
 /* Gather each completing block (its older rows from the float ring, the step's cast to the window dtype),
  * quantize keys per channel and values per token and channel group, then write codes and scales to the block's
  * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written: returns -5 (nothing
- * written) when the table names no page (-1) for a block, -6 when a table entry is past its pool, -3 (and
- * writes nothing) when a scale or zero overflows the scale dtype; -1 for sizes beyond the fixed arrays; -2 out
+ * written) when the table names no page (-1) for a block, -6 when a table entry is past its pool, -7 when an index
+ * is outside what it indexes (a sequence past the batch, a token past x), -3 (and writes nothing) when a scale or zero overflows the scale dtype; -1 for sizes beyond the fixed arrays; -2 out
  * of memory; else 0. */
 int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     const int64_t H = a->Hkv, D = a->D, bs = a->bs, F = c->float_rows, nf = a->float_slots, nq = a->quant_slots;
@@ -1131,7 +1146,13 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     const int64_t we = elem_bytes(a->window_dtype), se = elem_bytes(a->scale_dtype);
     const int qmax = (1 << a->bits) - 1, sdt = (int)a->scale_dtype;
     if (D > MAX_D || D < 1 || K < 1 || nq < 1 || fr < 1) return -1;
-    if (tables_fit(a)) return -6;
+    if (tables_fit(a) == -6) return -6;  /* (its -7 is the decode's: no sink is read here) */
+    for (int64_t i = 0; i < c->n; i++) {  /* every index inside what it indexes: the sequence, and the tokens of x the
+                                           * gather below reads (rows t0.. of the block: x[at + t - fresh]) */
+        const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
+        const int64_t t0 = F ? (fresh > 0 ? fresh : 0) : 0, first = c->at[i] + t0 - fresh, last = c->at[i] + bs - 1 - fresh;
+        if (b < 0 || b >= a->B || blk < 0 || (t0 < bs && (first < 0 || last >= c->x_rows))) return -7;
+    }
     const int64_t per = H * bs * D;  /* one block, all heads: [H, bs, D] */
     float *x = malloc((size_t)(2 * per) * sizeof(float));
     uint8_t *codes = malloc((size_t)(c->n * 2 * per));
@@ -1263,11 +1284,12 @@ static const Field STORE_FIELDS[] = {
     FIELD(Store, x_stride), FIELD(Store, pool_k), FIELD(Store, pool_v), FIELD(Store, pool_dtype),
     FIELD(Store, head_stride), FIELD(Store, block_stride), FIELD(Store, rows_per_block), FIELD(Store, num_blocks),
     FIELD(Store, table),
-    FIELD(Store, table_st0), FIELD(Store, table_st1), FIELD(Store, at), FIELD(Store, seqs), FIELD(Store, ring_rows)};
+    FIELD(Store, table_st0), FIELD(Store, table_st1), FIELD(Store, at), FIELD(Store, seqs), FIELD(Store, ring_rows),
+    FIELD(Store, x_rows), FIELD(Store, table_rows), FIELD(Store, table_cols)};
 static const Field COMPLETE_FIELDS[] = {
     FIELD(Complete, n), FIELD(Complete, x_k), FIELD(Complete, x_v), FIELD(Complete, x_dtype),
     FIELD(Complete, x_stride), FIELD(Complete, at), FIELD(Complete, seqs), FIELD(Complete, blocks),
-    FIELD(Complete, first_new), FIELD(Complete, float_rows)};
+    FIELD(Complete, first_new), FIELD(Complete, float_rows), FIELD(Complete, x_rows)};
 #undef FIELD
 #undef KIND
 

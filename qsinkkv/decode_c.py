@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shlex
@@ -58,7 +59,7 @@ class _Complete(ctypes.Structure):
     _fields_ = ([("n", ctypes.c_int64)] + [(n, ctypes.c_void_p) for n in ("x_k", "x_v")]
                 + [("x_dtype", ctypes.c_int64), ("x_stride", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("at", "seqs", "blocks", "first_new")]
-                + [("float_rows", ctypes.c_int64)])
+                + [("float_rows", ctypes.c_int64), ("x_rows", ctypes.c_int64)])
 
 
 class _Store(ctypes.Structure):
@@ -69,7 +70,8 @@ class _Store(ctypes.Structure):
                 + [(n, ctypes.c_int64) for n in ("pool_dtype", "head_stride", "block_stride", "rows_per_block",
                                                  "num_blocks")]
                 + [("table", ctypes.c_void_p), ("table_st0", ctypes.c_int64), ("table_st1", ctypes.c_int64)]
-                + [(n, ctypes.c_void_p) for n in ("at", "seqs", "ring_rows")])
+                + [(n, ctypes.c_void_p) for n in ("at", "seqs", "ring_rows")]
+                + [(n, ctypes.c_int64) for n in ("x_rows", "table_rows", "table_cols")])
 
 
 # the pools in the order of the C struct's pointers (and of its strides `st`)
@@ -227,21 +229,27 @@ def decode_attention_c(q: Tensor, layer: LayerStorage, *, scale: float | None = 
     units are split over up to ``torch.get_num_threads()`` threads (this one and a pool's), as many as
     get at least ``THREAD_WORK`` slot-channels each."""
     _require_lib()
-    trace.ran("decode", "c")
     s = layer
-    B, H, D = q.shape
-    Hkv = s.num_kv_heads
+    if s.device.type != "cpu" or not isinstance(q, Tensor) or q.device.type != "cpu":
+        raise ValueError(f"the C decode reads CPU tensors, got the storage on {s.device} and q on "
+                         f"{getattr(q, 'device', type(q).__name__)}")
+    s.check_shapes()  # (every offset the C code computes comes from these sizes)
+    Hkv, D = s.num_kv_heads, s.head_dim
+    if (q.dim() != 3 or q.shape[0] != s.batch_size or q.shape[1] % Hkv or not q.shape[1] or q.shape[2] != D
+            or not q.is_floating_point()):
+        raise ValueError(f"q must be a float [B={s.batch_size}, H (a multiple of Hkv={Hkv}), D={D}] tensor for this "
+                         f"storage, got {q.dtype} {list(q.shape)}")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"the C decode takes head_dim <= {MAX_HEAD_DIM}, got {D}")
-    if s.device.type != "cpu":
-        raise ValueError(f"the C decode reads CPU tensors, got the storage on {s.device}")
+    trace.ran("decode", "c")
+    B, H, _ = q.shape
     bias = s.layout.visible_bias(s.seq_lens, s.device)
-    logits = None if sink_logits is None else sink_logits.to(torch.float32).contiguous()
-    keep = [bias, logits]  # alive until the call returns
+    keep = [bias]  # alive until the call returns
+    logits = _sink_logits(sink_logits, H, keep)
     qr, q_stride = _rows(q if q.dtype in _DTYPES else q.float(), keep)
     out = torch.empty(B, H, D, dtype=qr.dtype)  # written in q's dtype, rounded as .to() rounds
     a = _args(s, keep, B=B, G=H // Hkv, q=qr.data_ptr(), q_dtype=_DTYPES[qr.dtype], q_stride=q_stride,
-              bias=bias.data_ptr(), sink_logits=None if logits is None else logits.data_ptr(),
+              bias=bias.data_ptr(), sink_logits=logits,
               scale=D ** -0.5 if scale is None else scale, out=out.data_ptr(), out_dtype=_DTYPES[out.dtype])
     _decode_units(a, Hkv * B, s.layout.num_slots * D, s)
     return out.to(q.dtype)
@@ -265,6 +273,10 @@ class BlocksDecode:
     and out lie the same way): its sizes, strides and dtypes are kept, every pointer is set afresh at each call."""
 
     def __init__(self, block_table: Tensor, bias: Tensor):
+        if not isinstance(block_table, Tensor) or block_table.dim() != 2:
+            raise ValueError(f"block_table must be a 2-D [B, nb] tensor, got "
+                             f"{list(getattr(block_table, 'shape', [type(block_table).__name__]))}")
+        checks.table_dtype("block_table", block_table)  # (its entries: against each layer's pools, in run)
         self.table, self.bias = block_table.long().contiguous(), bias.contiguous()  # the struct points into them
         self.B, nb = self.table.shape
         # the blocks the table names, checked against each layer's pools in run (one min/max per step)
@@ -374,6 +386,10 @@ def _decode_units(args: _Args, units: int, per_unit: int, storage: LayerStorage 
     if any(codes):
         if -6 in codes and storage is not None:  # a table entry past its pool: name it
             _check_tables(storage)
+        if -7 in codes:  # a row whose sinks are visible (it holds a token) has no sink page
+            rows = [] if storage is None else ((storage.sink_table.cpu() < 0) & (storage.seq_lens > 0)).nonzero()
+            raise ValueError(f"sink_table names no sink page (-1) for rows {[int(r) for r in rows]}, which hold "
+                             f"tokens: every sequence's sinks are read from its page (nothing was read)")
         raise RuntimeError(f"the C decode failed (code {min(codes)})")
 
 
@@ -508,7 +524,39 @@ def _store_struct(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: T
                   rows_per_block=rows_per_block, num_blocks=min(pool_k.shape[1], pool_v.shape[1]),
                   table=table2.data_ptr(), table_st0=table2.stride(0),
                   table_st1=table2.stride(1), at=index[0].data_ptr(), seqs=index[1].data_ptr(),
-                  ring_rows=index[2].data_ptr())
+                  ring_rows=index[2].data_ptr(), x_rows=k.shape[0], table_rows=table2.shape[0],
+                  table_cols=table2.shape[1])
+
+
+def _index_rows(names: tuple[str, ...], index: tuple) -> None:
+    """The index tensors of a C write: 1-D int64 of one length on the CPU (the C code reads them as int64 arrays of
+    that many entries), else a ValueError naming them."""
+    n = getattr(index[0], "shape", (None,))[0]
+    for name, t in zip(names, index):
+        if not isinstance(t, Tensor) or t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] != n or not t.is_cpu:
+            raise ValueError(f"{', '.join(names)} must be 1-D int64 CPU tensors of one length, got {name} "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
+
+
+def _store_shapes(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor, index: tuple,
+                  rows_per_block: int) -> None:
+    """The shapes ``store_rows_c`` reads and writes by, each against the buffer it sizes, else a ValueError naming
+    it: ``k, v [N, Hkv, D]`` of the pools' heads and head_dim, ``pool_k, pool_v [Hkv, blocks, rows, D]`` alike,
+    ``rows_per_block`` in ``[1, rows]``, ``table [B, slots]`` (or ``[B]``) of ints, the three index tensors."""
+    if pool_k.dim() != 4 or pool_v.shape != pool_k.shape:
+        raise ValueError(f"pool_k, pool_v must be [Hkv, blocks, rows_per_block, D] alike, got {list(pool_k.shape)} "
+                         f"and {list(pool_v.shape)}")
+    Hkv, _, rows, D = pool_k.shape
+    if k.dim() != 3 or k.shape[1:] != (Hkv, D) or v.shape != k.shape:
+        raise ValueError(f"k, v must be [N, Hkv={Hkv}, D={D}] (the pools' heads and head_dim), got {list(k.shape)} "
+                         f"and {list(v.shape)}")
+    if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or not 1 <= rows_per_block <= rows:
+        raise ValueError(f"rows_per_block must be an int in [1, {rows}] (the pools' rows per block), got "
+                         f"{rows_per_block!r}")
+    checks.table_dtype("table", table)
+    if table.dim() not in (1, 2):
+        raise ValueError(f"table must be [B, slots] (or [B]), got {list(table.shape)}")
+    _index_rows(("at", "seqs", "ring_rows"), index)
 
 
 def _store_refusal(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Tensor) -> str | None:
@@ -532,18 +580,35 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
     """``write.store_rows`` in one C call (a decode step writes a few rows per layer, where
     PyTorch's indexed writes cost more than the bytes), the same bits: the casts round as torch's ``.to()`` does.
     Raises ValueError, writing nothing, where it does not apply (tensors off the CPU, a pool whose blocks' rows
-    are not ``D`` apart, a dtype it does not read)."""
+    are not ``D`` apart, a dtype it does not read), and for any shape, index or table entry outside the buffer it
+    indexes (``_store_shapes``; the indices and entries checked in C before the first write)."""
     _require_lib()
+    _store_shapes(pool_k, pool_v, table, k, v, (at, seqs, ring_rows), rows_per_block)
     why = _store_refusal(pool_k, pool_v, table, k, v)
     if why:
         raise ValueError(f"the C row write {why}")
     trace.ran("write_rows", "c")
     keep = []
-    s = _store_struct(pool_k, pool_v, table, k, v, [t.contiguous() for t in (at, seqs, ring_rows)], rows_per_block,
-                      keep)
-    code = _lib.qsinkkv_store_rows(ctypes.byref(s))  # (it checks each row's table entry against the pools first)
+    index = [t.contiguous() for t in (at, seqs, ring_rows)]
+    s = _store_struct(pool_k, pool_v, table, k, v, index, rows_per_block, keep)
+    code = _lib.qsinkkv_store_rows(ctypes.byref(s))  # (it checks each index and table entry first)
+    if code == -7:
+        raise _index_error((("at", index[0], s.x_rows, "k's tokens"), ("seqs", index[1], s.table_rows, "table's rows"),
+                            ("ring_rows // rows_per_block", index[2] // rows_per_block, s.table_cols,
+                             "table's columns")), "the C row write refused an index")
     if code:
         raise _store_error(code, table, seqs, ring_rows, rows_per_block, s.num_blocks, "the C row write")
+
+
+def _index_error(entries: tuple, otherwise: str) -> ValueError:
+    """The error of a C write that refused an index (-7): the first of ``entries`` ``(name, index tensor, bound,
+    what it indexes)`` with an entry outside ``[0, bound)``, by name, else ``otherwise``."""
+    for name, t, bound, of in entries:
+        bad = t[(t < 0) | (t >= bound)]
+        if bad.numel():
+            return ValueError(f"{name} must lie in [0, {bound}) ({of}), got {sorted(set(bad.tolist()))[:8]}: nothing "
+                              f"was written")
+    return ValueError(f"{otherwise}: nothing was written")
 
 
 def _store_error(code: int, table: Tensor, seqs: Tensor, ring_rows: Tensor, rows_per_block: int, num_blocks: int,
@@ -563,7 +628,7 @@ def _complete_struct(storage: LayerStorage, k: Tensor, v: Tensor, index: list, k
     keep += [k, v, *index]
     return _Complete(n=index[0].shape[0], x_k=k.data_ptr(), x_v=v.data_ptr(), x_dtype=_DTYPES[k.dtype],
                      x_stride=stride, at=index[0].data_ptr(), seqs=index[1].data_ptr(), blocks=index[2].data_ptr(),
-                     first_new=index[3].data_ptr(), float_rows=storage.layout.float_rows)
+                     first_new=index[3].data_ptr(), float_rows=storage.layout.float_rows, x_rows=k.shape[0])
 
 
 def _complete_refusal(storage: LayerStorage, k: Tensor, v: Tensor, quantizer) -> str | None:
@@ -589,6 +654,13 @@ def complete_blocks_c(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, s
     nothing, for a block whose scale overflows ``scale_dtype`` (``quant.scale_overflow``'s error) and for a write it
     does not serve (off the CPU, the Triton quantizer, a dtype it does not read)."""
     _require_lib()
+    storage.check_shapes()
+    Hkv, D = storage.num_kv_heads, storage.head_dim
+    if (not all(isinstance(x, Tensor) and x.dim() == 3 and x.shape[1:] == (Hkv, D) for x in (k, v))
+            or k.shape != v.shape):
+        raise ValueError(f"k, v must be [N, Hkv={Hkv}, D={D}] (the storage's heads and head_dim), got "
+                         f"{list(getattr(k, 'shape', []))} and {list(getattr(v, 'shape', []))}")
+    _index_rows(("at", "seqs", "blocks", "first_new"), (at, seqs, blocks, first_new))
     why = _complete_refusal(storage, k, v, quantizer)
     if why:
         raise ValueError(f"the C block completion {why}")
@@ -606,6 +678,11 @@ def complete_blocks_c(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, s
     if code == -5:  # a table naming no block (-1) where the write goes or reads: the words every writer uses
         write.check_blocks(storage, seqs, blocks, first_new)
         raise ValueError("a table names no block (-1) for a block this write completes: nothing was written")
+    if code == -7:
+        raise _index_error((("seqs", seqs, storage.batch_size, "the storage's sequences"),
+                            ("blocks", blocks, math.inf, "recent block indices")),
+                           f"at must name the tokens of k (N={k.shape[0]}) each completing block reads, got at "
+                           f"{at.tolist()[:8]} for blocks {blocks.tolist()[:8]}")
     if code:
         raise RuntimeError(f"the C block completion failed (code {code})")
 

@@ -10,7 +10,8 @@ kernel reads a row's bytes once and gets both halves with a mask and a shift, no
 Rounding rule (the Triton kernels use the same, so codes are bit-identical):
 scale and zero are rounded to the storage ``scale_dtype`` first, and codes are computed
 in float32 from the *stored* values as ``floor((x - zero) / scale + 0.5)``, clamped.
-A group whose stored scale is 0 (all values equal) gets codes 0.
+A group whose stored scale is 0 (all values equal) gets codes 0. A scale or zero that is zero is +0, never -0
+(whichever sign the group's equal zeros have): every quantizer stores the same bits.
 
 Keys are quantized per channel within a block of tokens, values per token within
 groups of channels; both are thin views over one ``quantize_asym``.
@@ -43,8 +44,9 @@ def quantize_asym(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype) -> t
     xf = x.float()
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / max_code(bits)).to(scale_dtype)
-    zero = lo.to(scale_dtype)
+    # (+ 0: a zero is +0 whichever sign the min or max of equal zeros has; every quantizer's rule, the same bits)
+    scale = ((hi - lo) / max_code(bits) + 0.0).to(scale_dtype)
+    zero = (lo + 0.0).to(scale_dtype)
     check_scales_fit(scale, zero, x)
     codes = quantize_with(xf, scale, zero, bits)
     return codes, scale, zero
@@ -58,8 +60,10 @@ def check_scales_fit(scale: Tensor, zero: Tensor, x: Tensor) -> None:
 
 def scale_overflow(scale_dtype: torch.dtype, magnitude: float) -> ValueError:
     """The error of a block whose values (up to ``magnitude``) overflow ``scale_dtype``: every quantizer's."""
-    hint = ("use CacheConfig(scale_dtype=torch.float32)" if scale_dtype != torch.float32 else
-            "float32 is the widest scale_dtype: the range of such values does not fit any scale")
+    # (a range max - min past float32's max overflows where the stats are computed, whatever scale_dtype)
+    wide = magnitude > torch.finfo(torch.float32).max / 2 or scale_dtype == torch.float32
+    hint = ("use CacheConfig(scale_dtype=torch.float32)" if not wide else
+            "the range of such values does not fit any scale (max - min is computed in float32)")
     return ValueError(f"values of magnitude up to {magnitude:.3g} overflow scale_dtype={scale_dtype}; {hint}")
 
 

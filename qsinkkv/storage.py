@@ -122,6 +122,34 @@ class LayerStorage:
     def device(self) -> torch.device:
         return self.sink_k.device
 
+    def check_shapes(self) -> None:
+        """Every pool and table has the shape and dtype the layout and the sink pool's ``[Hkv, _, S, D]`` say (blocks
+        per pool may differ; the float pool's rows per block are its own, ``fr``), else a ValueError naming the
+        tensor: the check of a record handed to an op that reads its buffers by these sizes (the C decode computes
+        every offset from them)."""
+        cfg, layout = self.layout.config, self.layout
+        H, D, S, bs = self.num_kv_heads, self.head_dim, cfg.sink_tokens, cfg.block_size
+        B, fr, Dc = self.batch_size, self.float_k.shape[2], D // quant.codes_per_byte(cfg.bits)
+        groups = D // cfg.value_group_size if cfg.bits != 16 else 0
+        want = {"sink_k": ((H, None, S, D), cfg.sink_dtype), "sink_v": ((H, None, S, D), cfg.sink_dtype),
+                "float_k": ((H, None, fr, D), cfg.window_dtype), "float_v": ((H, None, fr, D), cfg.window_dtype),
+                "key_codes": ((H, None, bs, Dc), torch.uint8), "value_codes": ((H, None, bs, Dc), torch.uint8),
+                "key_scale": ((H, None, D), cfg.scale_dtype), "key_zero": ((H, None, D), cfg.scale_dtype),
+                "value_scale": ((H, None, bs, groups), cfg.scale_dtype),
+                "value_zero": ((H, None, bs, groups), cfg.scale_dtype),
+                "sink_table": ((B,), torch.int64), "float_table": ((B, None), torch.int64),
+                "quant_table": ((B, layout.quant_slots), torch.int64)}
+        for name, (shape, dtype) in want.items():
+            t = getattr(self, name)
+            if (t.dim() != len(shape) or t.dtype != dtype
+                    or any(n is not None and n != size for n, size in zip(shape, t.shape))):
+                expected = ", ".join("blocks" if n is None else str(n) for n in shape)
+                raise ValueError(f"{name} must be {dtype} [{expected}] for this storage (Hkv={H}, head_dim={D}, "
+                                 f"sink_tokens={S}, block_size={bs}, {B} sequences), got {t.dtype} {list(t.shape)}")
+        if fr < 1 or self.float_table.shape[1] * fr < layout.float_rows:
+            raise ValueError(f"float_table's {self.float_table.shape[1]} blocks of float_k's {fr} rows must hold the "
+                             f"float ring's {layout.float_rows} rows")
+
     def tensors(self) -> dict[str, Tensor]:
         """The storage tensors by name (not the tables or ``seq_lens``)."""
         return {name: getattr(self, name) for name in STORAGE_TENSORS}

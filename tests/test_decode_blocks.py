@@ -124,3 +124,31 @@ def test_the_triton_blocks_decode_refuses_what_it_cannot_read_by_name():
     with pytest.raises(ValueError, match="rows of D contiguous"):
         decode_blocks_triton(q, k_pool.transpose(2, 3).contiguous().transpose(2, 3)[:, :, :, :],
                              k_pool.mT.contiguous().mT, table, bias, scale=0.3)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("stale", [1e38, float("-inf"), float("nan")])
+def test_a_stale_non_finite_slot_a_row_does_not_see_never_reaches_its_output(kernel, stale):
+    """bits=16 stores K/V unchecked, so a reused page can hold an earlier request's overflowed row (fp16's 1e38 is
+    inf) or a NaN. A slot a row does not see -- past its length in its last block, masked by its bias, or in the block
+    a -1 entry stands for -- holding one in both K and V changes no bit of the output (it equals the output with that
+    slot zero) and the output is finite: the mask alone does not isolate it (0 x inf is NaN, and so is an inf score
+    plus a -inf bias)."""
+    q, k_pool, v_pool, _, bias, seen = _case(2, 2, torch.float16, seed=5, nblocks=21)
+    table = torch.randperm(20, generator=torch.Generator().manual_seed(5)).view(5, 4) + 1  # no block in two rows
+    seen[:, 3 * 16 + 9:] = False             # each row's length ends in its last block: the rest is an earlier one's
+    table[2, 1] = -1                         # no block: it reads nothing (block 0 here holds only stale rows)
+    bias = torch.zeros(bias.shape).masked_fill_(~seen, float("-inf"))
+    unseen = torch.zeros(21, 16, dtype=torch.bool)
+    unseen[0] = True
+    for b in range(5):
+        for j in range(4):
+            if table[b, j] >= 0:
+                unseen[table[b, j]] |= ~seen[b, j * 16:(j + 1) * 16]
+    outs = []
+    for value in (stale, 0.0):
+        for pool in (k_pool, v_pool):
+            pool[:, unseen] = value
+        outs.append(KERNELS[kernel](q, k_pool, v_pool, table, bias, scale=0.3))
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()

@@ -684,3 +684,195 @@ def test_the_engine_step_refuses_a_plan_that_is_not_a_plain_decode_step():
                       plan.packed(layout, torch.tensor([12, 10, 9]), [1, 1, 1])):
         with pytest.raises(ValueError, match="serves a plain decode step of the store's 2 rows"):
             decode_c.EngineDecode(store, step_plan)
+
+
+# --- issue 64: NaN stays NaN; every public C entry point checks what it is handed -----------------------------------
+
+def test_a_nan_softmax_stays_nan_and_nothing_visible_stays_0():
+    """Defect 1: a float32 window key of 2e38 (accepted: below float32's bound) makes a score overflow; the softmax
+    sum is NaN, and the C decode answered exactly 0 for that head ("nothing visible") where the reference answers
+    NaN. Now NaN, as the reference; a sequence with no token still reads 0."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=16, block_size=2, window_dtype=torch.float32,
+                      sink_dtype=torch.float32)
+    layer = random_storage_layer(cfg, 2, 1)
+    layer.seq_lens.copy_(torch.tensor([5, 0]))
+    layer.float_k[0, 0, 0, 0] = 2e38
+    q = torch.full((2, 2, D), 10.0)
+    ref, out = decode_attention_reference(q, layer), decode_c.decode_attention_c(q, layer)
+    assert torch.isnan(ref[0]).all() and torch.isnan(out[0]).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_sink_logits_are_checked_in_float32():
+    """Defect 1 (related): float64 sink logits of 1e300 passed the NaN/inf check made in float64, then became +inf
+    in float32 (the C decode answered 0). Refused by name, by the C decode and by the value checks alike."""
+    from qsinkkv import checks
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=8, block_size=2, value_group_size=8)
+    layer = random_storage_layer(cfg, 1, 1)
+    layer.seq_lens.fill_(5)
+    logits = torch.tensor([1e300, 0.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="sink_logits must be free of NaN and \\+inf"):
+        decode_c.decode_attention_c(torch.randn(1, 2, D), layer, sink_logits=logits)
+    assert not bool(checks.sink_logits_ok(logits)) and bool(checks.sink_logits_ok(torch.tensor([1e30, -math.inf])))
+    k = torch.randn(1, 1, 1, D)
+    with pytest.raises(ValueError, match="sink_logits must be free"):
+        checks.values(cfg, torch.tensor([5]), None, k, k, torch.randn(1, 2, 1, D), logits)
+
+
+def _storage_snapshot(layer):
+    return {name: t.clone() for name, t in layer.tensors().items()}
+
+
+@pytest.mark.parametrize("bad", ["q head_dim smaller", "q head_dim larger", "q more rows", "H not a multiple",
+                                 "q not float", "pool head_dim", "codes shape", "table shape"])
+def test_the_c_decode_checks_q_and_the_storage_before_reading(bad):
+    """Defect 2: ``decode_attention_c`` did not check q against the storage (a smaller head_dim wrote past the
+    output buffer, more rows read past the tables, a larger head_dim or H not a multiple of Hkv answered with
+    uninitialised memory) nor the storage's own tensors against each other. Each is refused by name before any
+    buffer is touched (the sanitizer lane runs this)."""
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=10, bits=4, block_size=4, value_group_size=8)
+    layer = random_storage_layer(cfg, 2, 2)
+    layer.seq_lens.copy_(torch.tensor([9, 13]))
+    q = torch.randn(2, 4, D)
+    match = "q must be a float"
+    if bad == "q head_dim smaller":
+        q = q[..., :8].contiguous()
+    elif bad == "q head_dim larger":
+        q = torch.randn(2, 4, 2 * D)
+    elif bad == "q more rows":
+        q = torch.randn(5, 4, D)
+    elif bad == "H not a multiple":
+        q = torch.randn(2, 3, D)
+    elif bad == "q not float":
+        q = torch.ones(2, 4, D, dtype=torch.int32)
+    elif bad == "pool head_dim":
+        layer.float_k, match = layer.float_k[..., :8], r"float_k must be .*\[2, blocks, 4, 16\]"
+    elif bad == "codes shape":
+        layer.key_codes, match = layer.key_codes[..., :4], r"key_codes must be torch.uint8 \[2, blocks, 4, 8\]"
+    else:
+        layer.quant_table, match = layer.quant_table[:, :1], r"quant_table must be torch.int64 \[2, 3\]"
+    before = _storage_snapshot(layer)
+    with trace.recording() as ran, pytest.raises(ValueError, match=match):
+        decode_c.decode_attention_c(q, layer)
+    assert ran == [] and all(torch.equal(t, before[name]) for name, t in layer.tensors().items())
+
+
+def test_a_row_holding_tokens_with_no_sink_page_is_refused():
+    """Defect 2: a ``sink_table`` entry of -1 for a row that holds tokens passed the table check and the C decode
+    read sink page -1 (outside the pool). Refused by name; a row with no token and no sink page still reads 0."""
+    pool, draw = scattered_pool(4, "c")
+    layer = pool.layers[0]
+    q = draw(3, 1)[0][:, :, 0]
+    layer.sink_table[1] = -1
+    with pytest.raises(ValueError, match=r"sink_table names no sink page \(-1\) for rows \[1\]"):
+        decode_c.decode_attention_c(q, layer)
+    layer.seq_lens[1] = 0
+    assert torch.equal(decode_c.decode_attention_c(q, layer)[1], torch.zeros_like(q[1]))
+
+
+@pytest.mark.parametrize("bad", ["more heads", "fewer heads", "head_dim", "v shape", "token past k", "seq past table",
+                                 "ring row past table", "negative ring row", "rows_per_block", "float table",
+                                 "index dtype", "index lengths"])
+def test_store_rows_c_checks_every_shape_and_index_before_writing(bad):
+    """Defect 2: ``store_rows_c`` with k of more heads than the pools wrote past them (heap-buffer-overflow in
+    ``convert``), a token index past k, a sequence or ring row past the table read outside them. Each is refused by
+    name, nothing written (the sanitizer lane runs this)."""
+    Hkv, bs = 2, 4
+    pool_k, pool_v = torch.zeros(Hkv, 4, bs, D), torch.zeros(Hkv, 4, bs, D)
+    table = torch.tensor([[0, 1], [2, 3]])
+    k, v = torch.randn(2, Hkv, D), torch.randn(2, Hkv, D)
+    at, seqs, rows, rpb = torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([1, 6]), bs
+    match = "must"
+    if bad == "more heads":
+        k = v = torch.randn(2, Hkv + 2, D)
+    elif bad == "fewer heads":
+        k = v = torch.randn(2, 1, D)
+    elif bad == "head_dim":
+        k = v = torch.randn(2, Hkv, 8)
+    elif bad == "v shape":
+        v = torch.randn(3, Hkv, D)
+    elif bad == "token past k":
+        at, match = torch.tensor([0, 2]), r"at must lie in \[0, 2\) \(k's tokens\), got \[2\]"
+    elif bad == "seq past table":
+        seqs, match = torch.tensor([0, 2]), r"seqs must lie in \[0, 2\) \(table's rows\), got \[2\]"
+    elif bad == "ring row past table":
+        rows, match = torch.tensor([1, 8]), r"ring_rows // rows_per_block must lie in \[0, 2\).*got \[2\]"
+    elif bad == "negative ring row":
+        rows, match = torch.tensor([-1, 6]), r"ring_rows // rows_per_block must lie"
+    elif bad == "rows_per_block":
+        rpb, match = bs + 1, r"rows_per_block must be an int in \[1, 4\]"
+    elif bad == "float table":
+        table, match = table.float() + 0.7, "table must be an int64"
+    elif bad == "index dtype":
+        at = at.int()
+    else:
+        seqs = torch.tensor([0])
+    with pytest.raises(ValueError, match=match):
+        decode_c.store_rows_c(pool_k, pool_v, table, k, v, at, seqs, rows, rpb)
+    assert not pool_k.any() and not pool_v.any()
+
+
+@pytest.mark.parametrize("bad", ["k heads", "seq past batch", "token past k", "negative block", "index lengths"])
+def test_complete_blocks_c_checks_every_shape_and_index_before_writing(bad):
+    """The C block completion, another public entry point that writes pools by pointer: k of another head count, a
+    sequence past the batch, a token past k, a negative block, index tensors of two lengths: each refused by name,
+    nothing written."""
+    from qsinkkv import quant
+    cfg = CacheConfig(sink_tokens=0, recent_tokens=8, bits=8, block_size=4, value_group_size=8)
+    layer = random_storage_layer(cfg, 1, 2)
+    layer.seq_lens.zero_()
+    k, v = torch.randn(4, 2, D), torch.randn(4, 2, D)
+    at, seqs, blocks, first_new = (torch.tensor([x]) for x in (0, 0, 0, 0))
+    match = "must"
+    if bad == "k heads":
+        k = v = torch.randn(4, 3, D)
+    elif bad == "seq past batch":
+        seqs, match = torch.tensor([1]), r"seqs must lie in \[0, 1\)"
+    elif bad == "token past k":
+        at, match = torch.tensor([1]), r"at must name the tokens of k \(N=4\)"
+    elif bad == "negative block":
+        blocks, first_new, match = torch.tensor([-1]), torch.tensor([-4]), "blocks must lie in"
+    else:
+        first_new = torch.tensor([0, 0])
+    before = _storage_snapshot(layer)
+    with pytest.raises(ValueError, match=match):
+        decode_c.complete_blocks_c(layer, k, v, at, seqs, blocks, first_new, quant)
+    assert all(torch.equal(t, before[name]) for name, t in layer.tensors().items())
+
+
+@pytest.mark.parametrize("table", [torch.tensor([[0.7, 1.0]]), torch.tensor([[0, 1]], dtype=torch.int16),
+                                   torch.tensor([0, 1])])
+def test_decode_blocks_c_refuses_tables_as_the_torch_decode_does(table):
+    """Defect 7: ``decode_blocks_c`` read a float or int16 table through ``.long()`` (0.7 became block 0) where
+    ``decode_blocks_torch`` refuses it, and a 1-D table failed with "not enough values to unpack"."""
+    from qsinkkv.decode import decode_blocks_torch
+    pools, q, bias = torch.randn(2, 4, 4, D), torch.randn(1, 4, D), torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="block_table must be"):
+        decode_c.decode_blocks_c(q, pools, pools, table, bias, scale=0.5)
+    if table.dim() == 2:
+        with pytest.raises(ValueError, match="block_table must be"):
+            decode_blocks_torch(q, pools, pools, table, bias, scale=0.5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zero_groups_store_the_same_zero_bits_in_every_quantizer(bits):
+    """Defect 8: a group of equal zeros (signs mixed, or all -0.0) gave key_zero/value_zero (and scales) of +0.0 in
+    one quantizer and -0.0 in another: numerically equal, but the same bits is the contract. Every quantizer
+    stores +0 (quant.py's rule), checked bit for bit over the torch, C and Triton writers."""
+    from qsinkkv import SinkQuantCache
+    cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=bits, block_size=4, value_group_size=8)
+    g = torch.Generator().manual_seed(bits)
+    k, v = torch.randn(1, 2, 14, D, generator=g), torch.randn(1, 2, 14, D, generator=g)
+    signs = torch.where(torch.rand(1, 2, 12, D, generator=g) < 0.5, -0.0, 0.0)
+    k[..., 2:, :5], v[..., 2:, :8] = signs[..., :5], signs[..., :8]  # whole key channels, whole value groups
+    k[..., 6:10, 7], v[..., 7, 8:] = -0.0, -0.0
+    stored = {}
+    for backend in ("torch", "c", "triton"):
+        cache = SinkQuantCache(cfg, 1, 1, 2, D, dtype=torch.float32, backend=backend)
+        cache.append(0, k, v)
+        layer = cache.layers[0]
+        stored[backend] = [getattr(layer, n).view(torch.int16 if getattr(layer, n).element_size() == 2 else torch.int32)
+                           for n in ("key_scale", "key_zero", "value_scale", "value_zero")]
+    for backend in ("c", "triton"):
+        assert all(torch.equal(a, b) for a, b in zip(stored["torch"], stored[backend])), backend
+    assert not (stored["torch"][1] == torch.tensor(-0.0).to(torch.bfloat16).view(torch.int16)).any()

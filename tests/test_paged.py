@@ -198,6 +198,28 @@ def test_packed_input_equals_padded_and_slot_mapping_names_where_tokens_land():
         packed.attend_packed(0, torch.randn(3, HKV * G, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D), [0, 1, 2])
 
 
+def test_a_step_refused_in_a_later_layer_leaves_the_free_lists_in_their_order():
+    """Issue 64, defect 6: a step that layer 0 took for two sequences, each taking new blocks, refused at layer 1:
+    lengths, tables and which blocks are free came back, but the free lists came back reordered (the blocks given
+    back row by row in the order they were taken), so later steps took other blocks. Now in their order."""
+    cfg = CacheConfig(sink_tokens=1, recent_tokens=6, bits=8, block_size=2, value_group_size=4)
+    pool = PagedCache(cfg, 2, HKV, D, max_seqs=3, float_blocks=8, quant_blocks=12, dtype=torch.float32)
+    for _ in range(3):
+        pool.admit()
+    q, k, v = (torch.randn(3, h, 3, D) for h in (HKV * G, HKV, HKV))
+    for layer in range(2):
+        pool.attend(layer, q, k, v, [3, 2, 3])
+    snap = snapshot(pool)
+    q, k, v = (torch.randn(3, h, 5, D) for h in (HKV * G, HKV, HKV))
+    pool.attend(0, q, k, v, [5, 1, 4])
+    bad = k.clone()
+    bad[2, 0, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        pool.attend(1, q, bad, v, [5, 1, 4])
+    assert_unchanged(pool, snap)
+    check_accounting(pool)
+
+
 def test_packed_refusals_name_the_input_and_change_nothing():
     """Values are checked on the packed tokens themselves (the sinks' dtype for a sequence's first tokens, the
     window's after), shapes by name; a refused packed step leaves the pool as it was."""

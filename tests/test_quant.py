@@ -95,16 +95,26 @@ def test_overflowing_scale_dtype_is_refused():
         quant.quantize_key_blocks(k, 8, torch.float16)
 
 
-def test_float32_scale_overflow_does_not_suggest_float32():
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_a_range_past_float32_is_refused_on_arrival_and_never_suggests_float32(scale_dtype):
+    """Issue 64, defect 4: tokens of +-3e38 were accepted as they arrived, then their block's max - min overflowed
+    float32 when it completed and every later step of the batch was refused (the bf16 message suggested float32,
+    which fails the same way). Now the value check refuses them on arrival, nothing stored; a quantizer handed such
+    a range directly says no scale dtype fits."""
     cfg = CacheConfig(sink_tokens=0, recent_tokens=4, bits=8, block_size=2, value_group_size=8,
-                      scale_dtype=torch.float32)
+                      scale_dtype=scale_dtype)
     cache = SinkQuantCache(cfg, 1, 1, 1, D, dtype=torch.float32)
-    k = torch.randn(1, 1, 2, D)
-    k[0, 0, 0, 0], k[0, 0, 1, 0] = -3e38, 3e38  # their range overflows float32
-    with pytest.raises(ValueError, match="float32 is the widest scale_dtype") as err:
-        cache.append(0, k, torch.randn(1, 1, 2, D))
+    k = torch.randn(1, 1, 1, D)
+    k[0, 0, 0, 0] = 3e38  # below float32's max: finite, storable in bf16, but a block's range would overflow
+    with pytest.raises(ValueError, match="max - min would overflow float32") as err:
+        cache.append(0, k, torch.randn(1, 1, 1, D))
     assert "use CacheConfig(scale_dtype=torch.float32)" not in str(err.value)
     assert cache.layer_lengths() == [0]
+    cache.append(0, torch.randn(1, 1, 2, D), torch.randn(1, 1, 2, D))  # the cache serves on
+    pair = torch.tensor([[-3e38], [3e38]]).expand(2, D).unsqueeze(0)
+    with pytest.raises(ValueError, match="does not fit any scale") as err:
+        quant.quantize_key_blocks(pair, 8, scale_dtype)
+    assert "use CacheConfig(scale_dtype=torch.float32)" not in str(err.value)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

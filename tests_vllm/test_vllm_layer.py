@@ -350,3 +350,36 @@ def test_the_fp16_decode_body_is_the_configs_choice_on_cuda_and_refused_on_the_c
     with pytest.raises(ValueError, match=r"decode_variant='fp16' selects a body of the Triton decode kernel; "
                                          r"backend='c' has one decode"):
         Layer(cfg, monkeypatch, None, plugin={"decode_variant": "fp16"})
+
+
+@pytest.mark.parametrize("decode", ["c", "torch", "triton"])
+@pytest.mark.parametrize("learned_sinks", [False, True])
+@pytest.mark.parametrize("stale", ["inf", "nan", "finite"])
+def test_a_stale_row_of_a_reused_page_never_reaches_the_next_request(monkeypatch, decode, learned_sinks, stale):
+    """bits=16 stores K/V unchecked: an earlier request's overflowed key and value (fp16's 1e38 is inf) or NaN stay in
+    its page when the page is handed to the next request. A row the new request does not hold (past its length) is
+    zeroed or skipped, never left to the mask (0 x inf is NaN): its prefill chunks (SDPA over whole blocks) and decodes
+    give, bit for bit, what they give with that row zero, and are finite; a finite stale row changes no bit either."""
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=28, bits=16, block_size=16, sink_dtype=torch.float32,
+                      window_dtype=torch.float32)
+    sinks = _sinks(torch.Generator().manual_seed(16)) if learned_sinks else None
+
+    def run(bad: float | None) -> list[torch.Tensor]:
+        layer = Layer(cfg, monkeypatch, sinks, device="cuda") if decode == "triton" else \
+            Layer(cfg, monkeypatch, sinks, backend=decode)
+        g = torch.Generator().manual_seed(7)
+        new = lambda n: (torch.randn(n, H, D, generator=g), torch.randn(n, Hkv, D, generator=g),  # noqa: E731
+                         torch.randn(n, Hkv, D, generator=g))
+        q, k, v = new(30)
+        if bad is not None:  # the earlier request's token 25: row 9 of its second page
+            k[25], v[25] = bad, bad
+        layer.step([0], [30], q, k, v)
+        layer.free[:0] = layer.tables[0]  # it finishes: its pages go to the next request, which stops short of 25
+        outs = [layer.step([1], [n], *new(n)) for n in (20, 2, 1, 1)]
+        assert layer.tables[1] == layer.tables[0]
+        return outs
+
+    got = run({"inf": float("inf"), "nan": float("nan"), "finite": None}[stale])
+    for a, b in zip(got, run(0.0)):
+        assert torch.isfinite(b).all()
+        assert torch.equal(a, b), (a - b).abs().max()

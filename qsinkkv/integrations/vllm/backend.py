@@ -222,8 +222,7 @@ class QSinkKVImpl(AttentionImpl):
         key_cache, value_cache = kv_cache.view(nblocks, Hkv, 2 * bs, -1).chunk(2, dim=2)   # [nb, Hkv, bs, D] each
         logits = sink_logits(self.sinks)
         if logits is not None:  # (before anything is written; on a GPU a device-side assert, no host read)
-            checks.condition_in_step(~(torch.isnan(logits) | (logits == float("inf"))).any(),
-                                     lambda: ValueError(checks.SINK_LOGITS_REFUSED))
+            checks.condition_in_step(checks.sink_logits_ok(logits), lambda: ValueError(checks.SINK_LOGITS_REFUSED))
         self._write(key[:n], value[:n], key_cache, value_cache, md, bs)
         out = output.view(-1, self.num_heads, self.head_size)
         if md.all_decode:  # vLLM's common step: q and the output as they lie, no gather, no scatter
@@ -268,8 +267,12 @@ class QSinkKVImpl(AttentionImpl):
                  logits: Tensor | None) -> Tensor:
         trace.ran("prefill", "torch")
         D = self.head_size
-        read = lambda cache: cache[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, D).float()  # noqa: E731
-        k, v = read(key_cache), read(value_cache)
+        # a row no query of the chunk sees (past its length: what a reused page's earlier request left there, unchecked
+        # at bits=16) reads as zeros in k and v, never left to the mask: 0 x inf is NaN, and so is inf + -inf
+        # (in place: the gather's own copies)
+        unseen = ~mask.any(0).view(1, -1, 1)
+        k, v = (cache[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, D).float().masked_fill_(unseen, 0)
+                for cache in (key_cache, value_cache))
         if logits is not None:  # an extra key and value of zeros per KV head, its score each query head's logit
             k, v = (torch.cat((x, x.new_zeros(x.shape[0], 1, D)), dim=1) for x in (k, v))
             T = q.shape[0]

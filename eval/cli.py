@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -42,6 +43,11 @@ TOKENS = dict(kv=512, ppl=512, stream=8192, calibrate=512, report=512, frontier=
 POSITIONS = ("absolute", "cache_index")
 STREAM_RECENT = 508  # the stream's default window: capacity 4 + 508
 MAX_PROBS_TOKENS = 4096  # kv and calibrate hold [heads, T, T] attention matrices
+# what every command imports (the parser itself: transformers, tqdm), and every report's plots: checked before
+# anything else, where a missing one once surfaced only when the report was written, after the whole run
+NEEDS = {"torch": "torch", "transformers": "transformers", "tqdm": "tqdm (progress bars)",
+         "matplotlib": "matplotlib (the plots)"}
+EXTRA = "pip install 'qsinkkv[eval]'"
 
 
 class UsageError(ValueError):
@@ -169,10 +175,13 @@ def _check_recall(args) -> None:
     if args.sink_tokens < 0:
         raise UsageError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     _check_window(args)
+    given = args.memory_of is not None
     if args.memory_of is None and args.recent_tokens is None:
         from .memory import parse_memory_of
         args.memory_of = parse_memory_of("bf16:256")
     args.schemes = list(dict.fromkeys(args.schemes))
+    if args.memory_of is not None and args.schemes != ["window"]:  # a row that keeps sinks
+        _check_sinks_fit(args, given)
 
 
 def _check_sizes(args) -> None:
@@ -189,6 +198,8 @@ def _check_sizes(args) -> None:
     if args.command in ("stream", "report") and args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
     memory_of = getattr(args, "memory_of", None)
+    if memory_of is not None:
+        _check_sinks_fit(args, given=True)
     if args.command in ("stream", "report"):  # the stream part's length and window, fixed here for run()
         args.stream_recent = args.recent_tokens if args.recent_tokens is not None else STREAM_RECENT
         args.stream_tokens = args.tokens if args.command == "stream" else 4 * args.tokens
@@ -210,10 +221,30 @@ def _check_sizes(args) -> None:
             scheme = find_scheme(name)
         except ValueError as e:
             raise UsageError(f"--schemes: {e}") from None
+        if not scheme.available():  # asked for by name: not skipped as the default list skips it
+            raise UsageError(f"--schemes {name} needs {scheme.requires}, which is not installed: {EXTRA}")
         if scheme.bits not in args.bits:  # bf16 (16) too: the reference is always included
             bits = "the --grid bits" if args.command == "frontier" else "--bits"
             raise UsageError(f"--schemes {name} is not measured at {bits} {' '.join(map(str, args.bits))}"
                              + (" (bf16 is the reference and always included)" if scheme.bits == 16 else ""))
+
+
+def _check_sinks_fit(args, given: bool) -> None:
+    """A row with sinks holds its S sinks in bf16 and at least one recent token: at least the bytes of a bf16 cache
+    of S + 1 tokens. A budget ``DTYPE:N`` is the bytes of N tokens of K and V in DTYPE on the same layers and heads,
+    N x DTYPE's bytes / 2 bf16 tokens. So when S + 1 is more than that, no row with sinks fits the smallest budget,
+    whatever the model: --sink-tokens is refused by name before the model loads (and --memory-of named only when
+    it was given: recall has a default)."""
+    from .memory import DTYPES
+
+    budget = args.memory_of[0]  # ascending: the smallest
+    room = budget.tokens * DTYPES[budget.dtype].itemsize // 2  # in bf16 tokens (2 bytes each: exact)
+    if args.sink_tokens + 1 <= room:
+        return
+    name = f"--memory-of {budget.text}" if given else f"{args.command}'s default budget {budget.text}"
+    raise UsageError(f"--sink-tokens {args.sink_tokens}: a cache with {args.sink_tokens} sinks and one recent token "
+                     f"is larger than {name} (the memory of {room} bf16 tokens), whatever the model; lower "
+                     "--sink-tokens" + (" or raise the budget" if given else " (or pass a larger --memory-of)"))
 
 
 def _check_window(args) -> None:
@@ -243,6 +274,8 @@ def _check_io(args) -> None:
     if args.model is not None and (args.model.endswith(".gguf") or args.model.startswith((".", "/", "~"))) \
             and not Path(args.model).expanduser().exists():
         raise UsageError(f"--model {args.model}: no such file or directory")
+    if args.model is None or args.model.endswith(".gguf"):  # the default is converted from its GGUF on first use
+        check_imports({"gguf": f"gguf (to read {'--model ' + args.model if args.model else 'the default model'})"})
     try:
         args.text_content = read_text(args.text)
     except ValueError as e:
@@ -336,10 +369,11 @@ def run(args) -> dict:
             plan = stream.plan_memory(Geometry.of(model), args.memory_of, S, args.stream_tokens)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        long_ids = encode(tok, args.text_content, args.stream_tokens, "stream tokens").to(args.device)
+        long_ids = encode(tok, args.text_content, args.stream_tokens, "--tokens").to(args.device)
         results["stream"] = stream.run_memory(model, long_ids, plan, args.window, positions=tuple(positions))
     elif cmd in ("stream", "report"):
-        long_ids = encode(tok, args.text_content, args.stream_tokens, "stream tokens").to(args.device)
+        what = "--tokens" if cmd == "stream" else "the stream part (4 x --tokens)"
+        long_ids = encode(tok, args.text_content, args.stream_tokens, what).to(args.device)
         results["stream"] = stream.run(model, long_ids, S, args.stream_recent, args.window,
                                        positions=tuple(positions) if cmd == "stream" else stream.POSITIONS)
     if cmd in ("frontier", "tune"):
@@ -485,9 +519,24 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+def check_imports(needs: dict[str, str]) -> None:
+    """A UsageError naming every module of ``needs`` (module: what it is for) that is not installed."""
+    missing = []
+    for module, what in needs.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # its parent package is missing
+            found = False
+        if not found:
+            missing.append(what)
+    if missing:
+        raise UsageError(f"qsinkkv-eval needs {', '.join(missing)}, not installed: {EXTRA}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        check_imports(NEEDS)  # before the parser, which imports transformers and tqdm
         args = parse(argv)
         quiet = contextlib.nullcontext()
         if args.quiet:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from qsinkkv.models import load_model
+from qsinkkv.integrations.transformers import refuse_hybrid
+from qsinkkv.models import default_model_dir, load_model
 
 from . import replay
 
@@ -22,6 +23,8 @@ def read_text(path: str | None) -> str:
     if path is None:
         return default_text()
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--text {path} is a directory: give a UTF-8 text file")
     if not p.is_file():
         raise ValueError(f"--text {path}: no such file")
     try:
@@ -51,10 +54,24 @@ def encode(tokenizer, text: str, tokens: int, what: str = "--tokens") -> torch.T
 
 
 def load(model: str | None, device: str, dtype: torch.dtype):
-    """(model, tokenizer), with the replay attention selected."""
+    """(model, tokenizer), with the replay attention selected. A model with layers that are not full attention
+    (trained sliding-window, chunked or linear: ``refuse_hybrid``) is refused by its config, before its weights
+    load: the replay runs every layer as full attention with sinks + window, which would read wrong, silently."""
+    refuse_hybrid(model_config(model), f"--model {model}" if model is not None else "the default model")
     lm, tok = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
     lm.set_attn_implementation(replay.ATTN_IMPLEMENTATION)
     return lm, tok
+
+
+def model_config(model: str | None):
+    """The config ``load_model`` would load ``model`` with (None: the embedded default), without its weights."""
+    from transformers import AutoConfig
+
+    if model is None:
+        return AutoConfig.from_pretrained(default_model_dir())
+    if str(model).endswith(".gguf"):
+        return AutoConfig.from_pretrained(Path(model).parent, gguf_file=Path(model).name)
+    return AutoConfig.from_pretrained(model)
 
 
 def model_name(model: str | None) -> str:

@@ -195,3 +195,73 @@ def test_memory_of_with_a_capacity_is_refused(tmp_path, capsys, monkeypatch):
     assert cli.main(["stream", "--memory-of", "bf16:256", "--capacity", "256", "--out", str(out)]) == 2
     assert "--memory-of sets every scheme's capacity" in capsys.readouterr().err
     assert not out.exists()
+
+
+# --- issue 64, items 5 and 9: missing modules, and messages that name the flag to change ---------------------------
+
+@pytest.mark.parametrize("argv,module,message", [
+    (["ppl"], "matplotlib", "matplotlib (the plots)"),
+    (["recall"], "tqdm", "tqdm (progress bars)"),
+    (["ppl", "--schemes", "bnb-nf4"], "bitsandbytes", "--schemes bnb-nf4 needs bitsandbytes"),
+    (["ppl", "--bits", "4", "--schemes", "quanto-int4"], "optimum.quanto", "quanto-int4 needs optimum.quanto"),
+    (["ppl", "--model", "{tmp}/model.gguf"], "gguf", "gguf (to read --model {tmp}/model.gguf)"),
+])
+def test_a_missing_module_is_named_before_any_work(argv, module, message, tmp_path, capsys, monkeypatch, no_run):
+    """A missing module once surfaced only when the report was written, after the whole run: now before any."""
+    (tmp_path / "model.gguf").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` fails, find_spec(module) is None
+    out = tmp_path / "out"
+    assert cli.main([a.format(tmp=tmp_path) for a in argv] + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "pip install 'qsinkkv[eval]'" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["recall", "--sink-tokens", "100000"], "--sink-tokens 100000: a cache with 100000 sinks and one recent token is "
+                                            "larger than recall's default budget bf16:256"),
+    (["recall", "--sink-tokens", "300", "--memory-of", "bf16:128,512"], "--sink-tokens 300: a cache with 300 sinks "
+                                                                        "and one recent token is larger than "
+                                                                        "--memory-of bf16:128"),
+    (["stream", "--sink-tokens", "300", "--memory-of", "fp32:128"], "--sink-tokens 300: a cache with 300 sinks and "
+                                                                    "one recent token is larger than --memory-of "
+                                                                    "fp32:128 (the memory of 256 bf16 tokens)"),
+])
+def test_sinks_larger_than_the_budget_name_sink_tokens(argv, message, tmp_path, capsys, no_run):
+    out = tmp_path / "out"
+    assert cli.main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "--memory-of bf16:256" not in err  # recall's default: not given, never blamed
+    assert not out.exists()
+
+
+def test_sinks_that_fit_the_budget_pass():
+    assert cli.parse(["recall", "--sink-tokens", "255"]).sink_tokens == 255  # 255 sinks + 1 recent = 256 bf16 tokens
+    assert cli.parse(["recall", "--sink-tokens", "300", "--schemes", "window"]).schemes == ["window"]  # no sinks kept
+
+
+def test_text_that_is_a_directory_is_named_so(tmp_path, capsys, no_run):
+    assert cli.main(["ppl", "--text", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert f"--text {tmp_path} is a directory: give a UTF-8 text file" in capsys.readouterr().err
+
+
+class WordTokenizer:
+    """One token per word: a 4-word text is 4 tokens."""
+
+    def __call__(self, text, return_tensors=None):
+        import torch
+        return type("Encoded", (), dict(input_ids=torch.tensor([[len(w) for w in text.split()]])))
+
+
+def test_stream_tokens_longer_than_the_text_name_tokens(tmp_path, capsys, monkeypatch):
+    from qsinkkv.eval import stream
+
+    text = tmp_path / "four.txt"
+    text.write_text("four words of text")
+    monkeypatch.setattr(data, "load", lambda *a: (None, WordTokenizer()))  # no model: refused before any is needed
+    monkeypatch.setattr(stream, "run", lambda *a, **k: pytest.fail("the stream ran"))
+    out = tmp_path / "out"
+    assert cli.main(["stream", "--tokens", "5000", "--text", str(text), "--out", str(out), "--quiet"]) == 2
+    assert "--tokens=5000: the text has only 4 tokens" in capsys.readouterr().err
+    assert not out.exists()

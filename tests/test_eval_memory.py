@@ -129,7 +129,9 @@ def test_bad_memory_of_exits_2_naming_the_flag(value, message, tmp_path, capsys,
 @pytest.mark.parametrize("argv,message", [
     # int8's smallest cache (4 sinks + one quantized block + the bf16 filling block) is ~102 bf16 tokens
     (["--memory-of", "bf16:64"], "less than the smallest cache of 'sinks + int8'"),
-    (["--memory-of", "bf16:4"], "less than the smallest cache of 'sinks + bf16 window'"),
+    # 4 sinks + 1 recent token are more than 4 bf16 tokens whatever the model: refused before it loads (issue 64)
+    (["--memory-of", "bf16:4"], "--sink-tokens 4: a cache with 4 sinks and one recent token is larger than "
+                                "--memory-of bf16:4"),
     (["--memory-of", "bf16:512", "--tokens", "1000"], "must be at least"),
 ])
 @pytest.mark.model  # refused once the model's geometry is known

@@ -283,7 +283,8 @@ def test_bad_model_config(lm):
         QSinkKVCache(CacheConfig(positions="cache_index"), dynamic)
     sliding = copy.deepcopy(model.config)
     sliding.layer_types = ["sliding_attention"] * sliding.num_hidden_layers
-    with pytest.raises(ValueError, match="sliding-window or linear attention layers are not supported"):
+    with pytest.raises(ValueError, match=r"QSinkKVCache: this llama model has layers that are not full attention: "
+                                         r"sliding_attention at layers 0-29\. qsinkkv supports only"):
         QSinkKVCache(CacheConfig(), sliding)
 
 

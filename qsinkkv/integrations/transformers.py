@@ -22,6 +22,10 @@ Two modes, chosen by the model's attention implementation at every forward:
   ``QSinkKVCache(config, model)``, so that it sees each forward's attention_mask and can refuse pads,
   which would otherwise become sinks; built with ``model.config`` it stops at the capacity).
 
+A model with layers that are not full attention (trained sliding-window, chunked or linear attention: Gemma 2/3/4,
+gpt-oss, Mistral/Qwen with ``sliding_window``, Llama 4, Qwen3-Next) is refused by name (``refuse_hybrid``) by the
+cache and by ``attn_implementation="qsinkkv"`` with or without one, never run as full attention.
+
 Transformers' cache API changes between releases: this module is tested with the range in
 ``SUPPORTED``, and refuses others with a clear error.
 """
@@ -42,6 +46,7 @@ from ..cache import SinkQuantCache
 from ..config import CacheConfig
 from ..ops import check_decode_variant
 from ..paged import PagedCache
+from ..policy import FULL, _spans, layer_types
 from ..rope import Rotary, check_rope_type
 from ..storage import gather
 
@@ -80,6 +85,39 @@ def rotary_from_config(text_config) -> Rotary:
 
 def _head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def hybrid_layers(model_config) -> dict[int, str]:
+    """``{layer index: its layer type}`` for every layer of ``model_config`` (``model.config``) that is not full
+    attention as trained (``qsinkkv.policy.layer_types``: its ``layer_types``, or a model-wide ``sliding_window``);
+    empty when every layer is. A trained ``sliding_attention`` window: Gemma 2/3/4, gpt-oss, Cohere2, Qwen2/3 with
+    use_sliding_window, Mistral v0.1, Phi-3 4k, Starcoder2; ``chunked_attention``: Llama 4; ``linear_attention``:
+    Qwen3-Next; or any other kind."""
+    types = layer_types(model_config.get_text_config(decoder=True))
+    return {i: t for i, t in enumerate(types) if t != FULL}
+
+
+def refuse_hybrid(model_config, what: str) -> None:
+    """A ValueError naming each layer type and its layers when ``model_config`` has a layer that is not full
+    attention (``hybrid_layers``): qsinkkv attends every layer as full attention with sinks + window, which serves
+    a trained window layer wrongly (Gemma 3 270M: perplexity 68 where stock reads 44) and silently. ``what``: who
+    refuses (``QSinkKVCache``, the eval's ``--model M``, ...), the message's start."""
+    hybrid = hybrid_layers(model_config)
+    if not hybrid:
+        return
+    text = model_config.get_text_config(decoder=True)
+    window, chunk = getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None)
+    sizes = {"sliding_attention": f" (a trained window of {window} tokens)" if window else "",
+             "chunked_attention": f" (chunks of {chunk} tokens)" if chunk else ""}
+    by_kind: dict[str, list[int]] = {}
+    for i in range(text.num_hidden_layers):
+        by_kind.setdefault(hybrid.get(i, FULL), []).append(i)
+    found = "; ".join(f"{kind}{sizes.get(kind, '')} at layer{'s' * (len(idx) > 1)} {_spans(idx)}"
+                      for kind, idx in by_kind.items())
+    raise ValueError(f"{what}: this {getattr(text, 'model_type', '')} model has layers that are not full attention: "
+                     f"{found}. qsinkkv supports only models whose every layer is full attention: trained "
+                     "sliding-window, chunked or linear attention layers (hybrid models) are refused until they are "
+                     "supported, never run as full attention")
 
 
 class _LayerView(CacheLayerMixin):
@@ -146,10 +184,7 @@ class QSinkKVCache(Cache):
         if missing:
             raise ValueError(f"model_config ({getattr(text, 'model_type', '?')}) lacks {missing}: QSinkKVCache "
                              "supports decoder-only Llama-family attention")
-        layer_types = getattr(text, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"model has layer types {sorted(set(layer_types))}: trained sliding-window or linear "
-                             "attention layers are not supported, only full attention")
+        refuse_hybrid(model_config, "QSinkKVCache")
         config.check_head_dim(_head_dim(text))
         if text.num_key_value_heads % tp_size:
             raise ValueError(f"the model is sharded over tp_size={tp_size} ranks but has num_key_value_heads="
@@ -365,7 +400,11 @@ def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     """transformers attention function: ``query [B, H, T, D]``, the new ``key/value [B, Hkv, T, D]``
     (post-RoPE) -> ``([B, T, H, D], None)``, attending from the cache's storage."""
     cache: QSinkKVCache | None = kwargs.get(_KWARG)
-    if cache is None:  # no cache (use_cache=False): plain causal attention
+    if cache is None:  # no QSinkKVCache (use_cache=False, or transformers' own cache): plain causal attention
+        config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+        if config is not None and layer in hybrid_layers(config):  # never a trained window run as full attention
+            refuse_hybrid(config, f"attn_implementation='qsinkkv' without a QSinkKVCache (layer {layer}; "
+                                  "use 'sdpa' for this model)")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
                                       is_causal=query.shape[2] > 1)
@@ -402,7 +441,10 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
                   attention_mask=None, **kwargs):
     """Mask builder for attn_implementation='qsinkkv': the cache applies the sink + window mask itself
     and needs only which tokens of this chunk are real (the last ``q_length`` columns of the 2D
-    padding mask): None when all are, so decode steps and unpadded prompts take the plain path."""
+    padding mask): None when all are, so decode steps and unpadded prompts take the plain path. It runs before the
+    model's first layer: a model with trained window layers is refused here (``refuse_hybrid``), nothing changed."""
+    if kwargs.get("config") is not None:
+        refuse_hybrid(kwargs["config"], "attn_implementation='qsinkkv' (use 'sdpa' for this model)")
     if attention_mask is None or attention_mask.ndim != 2:
         return attention_mask  # None, or a prepared 4D mask the attention function refuses by name
     real = attention_mask[:, -q_length:].to(torch.bool)

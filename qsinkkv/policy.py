@@ -51,7 +51,8 @@ class LayerPolicy:
 
     @property
     def hybrid(self) -> bool:
-        return len(self.configs) > 1
+        """Has a layer that is not full attention (a model-wide window counts: its layers keep the window's config)."""
+        return any(kind != FULL for kind in self.layer_types)
 
     def describe(self) -> str:
         """One line per layer type: its layers and what they keep (``repr`` and the eval's report print it)."""

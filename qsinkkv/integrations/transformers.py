@@ -1,4 +1,5 @@
-"""Swap-in cache for HuggingFace transformers (Llama-family models: Llama, Mistral, Qwen2/3, SmolLM).
+"""Swap-in cache for HuggingFace transformers (full-attention models: Llama, Qwen2/3, SmolLM, OLMo 2; and models with
+trained window layers: Gemma 3, gpt-oss, Cohere2, Mistral/Qwen2/Phi-3 with ``sliding_window``).
 
     from qsinkkv import CacheConfig
     from qsinkkv.hf import QSinkKVCache
@@ -22,9 +23,12 @@ Two modes, chosen by the model's attention implementation at every forward:
   ``QSinkKVCache(config, model)``, so that it sees each forward's attention_mask and can refuse pads,
   which would otherwise become sinks; built with ``model.config`` it stops at the capacity).
 
-A model with layers that are not full attention (trained sliding-window, chunked or linear attention: Gemma 2/3/4,
-gpt-oss, Mistral/Qwen with ``sliding_window``, Llama 4, Qwen3-Next) is refused by name (``refuse_hybrid``) by the
-cache and by ``attn_implementation="qsinkkv"`` with or without one, never run as full attention.
+Models with trained window layers (Gemma 3/4, gpt-oss, Cohere2, Mistral/Qwen with ``sliding_window``) are served
+under a ``LayerPolicy`` (``qsinkkv.policy``): each window layer keeps exactly its trained ``sliding_window`` tokens
+and no sinks, each full-attention layer the ``CacheConfig`` (``HybridCache``: one ``SinkQuantCache`` per layer type),
+with ``attn_implementation="qsinkkv"``. What the policy cannot serve exactly (chunked or linear attention, soft-capped
+logits, ``cache_index`` positions there, the portable mode, a pool) is refused by name. Without a QSinkKVCache the
+``qsinkkv`` attention runs the model as trained: SDPA under each layer's own causal, window and padding mask.
 
 Transformers' cache API changes between releases: this module is tested with the range in
 ``SUPPORTED``, and refuses others with a clear error.
@@ -44,9 +48,10 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..cache import SinkQuantCache
 from ..config import CacheConfig
+from ..hybrid import HybridCache
 from ..ops import check_decode_variant
 from ..paged import PagedCache
-from ..policy import FULL, _spans, layer_types
+from ..policy import FULL, SLIDING, LayerPolicy, _spans, layer_types, policy_for
 from ..rope import Rotary, check_rope_type
 from ..storage import gather
 
@@ -100,8 +105,9 @@ def hybrid_layers(model_config) -> dict[int, str]:
 def refuse_hybrid(model_config, what: str) -> None:
     """A ValueError naming each layer type and its layers when ``model_config`` has a layer that is not full
     attention (``hybrid_layers``): qsinkkv attends every layer as full attention with sinks + window, which serves
-    a trained window layer wrongly (Gemma 3 270M: perplexity 68 where stock reads 44) and silently. ``what``: who
-    refuses (``QSinkKVCache``, the eval's ``--model M``, ...), the message's start."""
+    a trained window layer wrongly (Gemma 3 270M: perplexity 68 where stock reads 44) and silently: what does not
+    serve them per layer type yet (the eval's replay) refuses them with it. ``what``: who refuses (the eval's
+    ``--model M``, ...), the message's start."""
     hybrid = hybrid_layers(model_config)
     if not hybrid:
         return
@@ -115,20 +121,21 @@ def refuse_hybrid(model_config, what: str) -> None:
     found = "; ".join(f"{kind}{sizes.get(kind, '')} at layer{'s' * (len(idx) > 1)} {_spans(idx)}"
                       for kind, idx in by_kind.items())
     raise ValueError(f"{what}: this {getattr(text, 'model_type', '')} model has layers that are not full attention: "
-                     f"{found}. qsinkkv supports only models whose every layer is full attention: trained "
-                     "sliding-window, chunked or linear attention layers (hybrid models) are refused until they are "
-                     "supported, never run as full attention")
+                     f"{found}. qsinkkv-eval replays every layer with one config: trained sliding-window, chunked or "
+                     "linear attention layers (hybrid models) are refused there until it replays each layer type, "
+                     "never run as full attention (QSinkKVCache serves window models in transformers)")
 
 
 class _LayerView(CacheLayerMixin):
-    """transformers' Cache asks its layers what kind they are; the storage lives in SinkQuantCache."""
+    """transformers' Cache asks its layers what kind they are (``is_sliding``: a trained window layer, as the
+    policy keeps it); the storage lives in SinkQuantCache."""
 
-    is_sliding = False
     is_compileable = False
 
     def __init__(self, owner: QSinkKVCache, idx: int):
         super().__init__()
         self.owner, self.idx = owner, idx
+        self.is_sliding = owner.policy.layer_types[idx] == SLIDING
 
     def lazy_initialization(self, key_states, value_states):
         pass
@@ -167,7 +174,7 @@ class QSinkKVCache(Cache):
     is_compileable = False
 
     def __init__(self, config: CacheConfig, model_config, backend: str = "auto", pool: PagedCache | None = None,
-                 decode_variant: str = "dequantize"):
+                 decode_variant: str = "dequantize", window_bits: int | None = None):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a qsinkkv CacheConfig, got {type(config).__name__}")
         tp_size, model = 1, None
@@ -184,7 +191,9 @@ class QSinkKVCache(Cache):
         if missing:
             raise ValueError(f"model_config ({getattr(text, 'model_type', '?')}) lacks {missing}: QSinkKVCache "
                              "supports decoder-only Llama-family attention")
-        refuse_hybrid(model_config, "QSinkKVCache")
+        # one CacheConfig per layer type: trained window layers keep exactly their window, no sinks (``window_bits``:
+        # their bits, default config's); what cannot be served exactly is refused here, by name
+        self.policy: LayerPolicy = policy_for(text, config, window_bits)
         config.check_head_dim(_head_dim(text))
         if text.num_key_value_heads % tp_size:
             raise ValueError(f"the model is sharded over tp_size={tp_size} ranks but has num_key_value_heads="
@@ -195,8 +204,12 @@ class QSinkKVCache(Cache):
         self.rotary = rotary_from_config(text) if config.positions == "cache_index" else None
         check_decode_variant(decode_variant, backend, self.rotary, config, _head_dim(text))  # a clear error now
         self.num_layers = text.num_hidden_layers
-        self.inner: SinkQuantCache | None = None
+        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.inner: SinkQuantCache | HybridCache | None = None
         if pool is not None:
+            if self.policy.hybrid:
+                raise ValueError(f"pool= serves models whose every layer is full attention; this one has "
+                                 f"{self.policy.describe()}: use a QSinkKVCache without pool=")
             if not isinstance(pool, PagedCache):
                 raise TypeError(f"pool must be a qsinkkv.paged.PagedCache, got {type(pool).__name__}")
             if (pool.config, pool.num_layers) != (config, self.num_layers) or (pool.rotary is None) != (
@@ -220,17 +233,27 @@ class QSinkKVCache(Cache):
                 (inner.batch_size, inner.num_kv_heads, inner.head_dim, inner.device, inner.dtype)
                 != (B, Hkv, D, key_states.device, key_states.dtype)) and not any(inner.layer_lengths()):
             self.inner = None  # an empty (new or reset) cache takes the next batch's size, device and dtype
-        if self.inner is None:
+        if self.inner is None and self.policy.hybrid:
+            self.inner = HybridCache(self.policy, B, Hkv, D, device=key_states.device, dtype=key_states.dtype,
+                                     backend=self.backend, decode_variant=self.decode_variant)
+        elif self.inner is None:
             self.inner = SinkQuantCache(self.config, self.num_layers, B, Hkv, D, device=key_states.device,
                                         dtype=key_states.dtype, rotary=self.rotary, backend=self.backend,
                                         decode_variant=self.decode_variant)
         return self.inner
+
+    def __repr__(self) -> str:
+        return f"QSinkKVCache({self.policy.describe()})"
 
     @property
     def fused(self) -> bool:
         return getattr(self.model_config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if self.policy.hybrid and not self.fused:  # (before anything is stored)
+            raise ValueError(f"a model with trained window layers ({self.policy.describe()}) is served with "
+                             "attn_implementation='qsinkkv' only (model.set_attn_implementation('qsinkkv')): the "
+                             "portable mode's single mask cannot show each layer type's window")
         inner = self._storage(key_states, layer_idx)
         forward_kwargs = kwargs.get("kwargs")
         if layer_idx == 0 and not inner.in_step():  # a new forward: every layer must hold the same stream
@@ -398,16 +421,27 @@ def _watch_masks(model: torch.nn.Module, cache: QSinkKVCache) -> bool:
 def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
                       dropout: float = 0.0, **kwargs):
     """transformers attention function: ``query [B, H, T, D]``, the new ``key/value [B, Hkv, T, D]``
-    (post-RoPE) -> ``([B, T, H, D], None)``, attending from the cache's storage."""
+    (post-RoPE) -> ``([B, T, H, D], None)``, attending from the cache's storage. ``attention_mask``: the model's 2D
+    padding mask ``[B, columns]`` (``_padding_mask``), or None where every column is a real token."""
+    if kwargs.get("softcap") is not None:  # (Gemma 2: refused by the policy too; never run without it)
+        raise ValueError(f"attn_implementation='qsinkkv' does not soft-cap attention logits (softcap="
+                         f"{kwargs['softcap']}): use 'sdpa' or 'eager' for this model")
+    # the layer's trained window (Mistral passes it, Gemma 3 / Qwen2 / gpt-oss set it per layer; None: full) and
+    # learned sink logits (gpt-oss's s_aux [H]: exp(s_h) joins each head's softmax denominator)
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    sinks = kwargs.get("s_aux")
     cache: QSinkKVCache | None = kwargs.get(_KWARG)
-    if cache is None:  # no QSinkKVCache (use_cache=False, or transformers' own cache): plain causal attention
-        config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
-        if config is not None and layer in hybrid_layers(config):  # never a trained window run as full attention
-            refuse_hybrid(config, f"attn_implementation='qsinkkv' without a QSinkKVCache (layer {layer}; "
-                                  "use 'sdpa' for this model)")
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
-                                      is_causal=query.shape[2] > 1)
+    if cache is None:  # no QSinkKVCache (use_cache=False, or transformers' own cache): the model as trained
+        return _trained_attention(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
+    layer = module.layer_idx
+    kept = cache.policy.config(layer)
+    if window is not None and cache.max_positions and window >= cache.max_positions:
+        window = None  # (a window past every trained position drops nothing: full attention, as the policy has it)
+    if (window is None) != (cache.policy.layer_types[layer] != SLIDING) or (
+            window is not None and (kept.sink_tokens, kept.recent_tokens) != (0, window)):
+        raise ValueError(f"layer {layer} has sliding_window={window} but the cache keeps {kept.sink_tokens} sinks + "
+                         f"{kept.recent_tokens} recent tokens there ({cache.policy.describe()}): build the "
+                         "QSinkKVCache with this model's config")
     if cache.rotary is not None:  # cache_index: back to pre-RoPE; the cache rotates by cache index
         pos = kwargs.get("position_ids")
         if pos is None:
@@ -417,37 +451,65 @@ def qsinkkv_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         key = cache.rotary.unrotate(key, pos)
     real = _chunk_mask(attention_mask, query.shape[2])
     if real is None:  # every token of the chunk is real (decode steps, unpadded prompts)
-        out = cache.inner.attend(module.layer_idx, query, key, value, scale=scaling)
+        out = cache.inner.attend(layer, query, key, value, scale=scaling, sink_logits=sinks)
     else:  # padded: real tokens first in each row (in order), the cache stores lengths[b] of them
         order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)            # [B, T]
         take = lambda x: x.gather(2, order[:, None, :, None].expand_as(x))  # noqa: E731
-        out = cache.inner.attend(module.layer_idx, take(query), take(key), take(value), real.sum(1), scale=scaling)
+        out = cache.inner.attend(layer, take(query), take(key), take(value), real.sum(1), scale=scaling,
+                                 sink_logits=sinks)
         out = torch.zeros_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
-    cache._stored(module.layer_idx, query.shape[2])
+    cache._stored(layer, query.shape[2])
     return out.transpose(1, 2).contiguous(), None
 
 
+def _trained_attention(module, query: Tensor, key: Tensor, value: Tensor, columns: Tensor | None, scaling, dropout,
+                       window: int | None, sinks: Tensor | None):
+    """SDPA over the K/V the model hands in (``key [B, Hkv, L, D]``: the newest L tokens, a cache's prefix first)
+    under the mask the layer was trained with: causal, aligned to the newest key (a chunk after a prefix), within its
+    ``window`` (None: full attention), and the padding of ``columns [B, >= L]`` (the 2D mask; None: no pad); learned
+    ``sinks [H]`` as one more key of zeros whose score is the head's logit (its value: zeros)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    T, L = query.shape[2], key.shape[2]
+    if columns is None and sinks is None and (window is None or window >= L) and (T == L or T == 1):
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout,
+                                      is_causal=T > 1)  # plain causal (the fast path)
+    q_at = torch.arange(L - T, L, device=query.device).unsqueeze(1)                 # [T, 1]
+    k_at = torch.arange(L, device=query.device).unsqueeze(0)                        # [1, L]
+    seen = (k_at <= q_at) & (k_at > q_at - window) if window is not None else k_at <= q_at
+    mask = seen[None, None]                                                         # [1, 1, T, L]
+    if columns is not None:
+        mask = mask & columns[:, -L:].to(torch.bool)[:, None, None, :]
+        mask = mask | ~mask.any(-1, keepdim=True)  # a pad's own query sees nothing: any row (unused) rather than NaN
+    if sinks is not None:
+        B, H = query.shape[:2]
+        bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+        logit = sinks.to(query.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+        mask = torch.cat((bias.expand(B, H, T, L), logit), dim=-1)                  # [B, H, T, L + 1]
+        key, value = (torch.cat((x, x.new_zeros(*x.shape[:2], 1, x.shape[3])), dim=2) for x in (key, value))
+    return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout, is_causal=False)
+
+
 def _chunk_mask(attention_mask, T: int) -> Tensor | None:
-    """The ``[B, T]`` bool mask of the chunk's real tokens, or None when all are real."""
+    """The ``[B, T]`` bool mask of the chunk's real tokens (the last T columns of the 2D mask), or None when all are
+    real."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, Tensor) or attention_mask.ndim != 2:
         raise ValueError("attn_implementation='qsinkkv' takes a 2D padding mask [batch, tokens] (or none), got "
                          f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}")
-    return attention_mask
+    real = attention_mask[:, -T:].to(torch.bool)
+    return None if bool(real.all()) else real
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                   attention_mask=None, **kwargs):
-    """Mask builder for attn_implementation='qsinkkv': the cache applies the sink + window mask itself
-    and needs only which tokens of this chunk are real (the last ``q_length`` columns of the 2D
-    padding mask): None when all are, so decode steps and unpadded prompts take the plain path. It runs before the
-    model's first layer: a model with trained window layers is refused here (``refuse_hybrid``), nothing changed."""
-    if kwargs.get("config") is not None:
-        refuse_hybrid(kwargs["config"], "attn_implementation='qsinkkv' (use 'sdpa' for this model)")
+    """Mask builder for attn_implementation='qsinkkv': the cache applies each layer type's sink + window mask itself
+    and needs only which tokens are real: the 2D padding mask as a bool ``[B, columns]`` (the attention function
+    takes the chunk's last columns), or None when every column is real, so decode steps and unpadded prompts take
+    the plain path."""
     if attention_mask is None or attention_mask.ndim != 2:
         return attention_mask  # None, or a prepared 4D mask the attention function refuses by name
-    real = attention_mask[:, -q_length:].to(torch.bool)
+    real = attention_mask.to(torch.bool)
     return None if bool(real.all()) else real
 
 

@@ -192,6 +192,23 @@ def test_a_padded_batch_gives_each_row_its_answer_alone(bits):
     assert torch.equal(both[0, 26:], alone[0][0, 26:]) and torch.equal(both[1, 26:], alone[1][0, 19:])
 
 
+def test_beam_search_and_crop_on_a_window_model():
+    """Beam search (the cache reorders every layer type's rows) gives stock's beams; a crop every layer can take
+    (within the window layers' ring) forgets the newest tokens in every layer type: the same tokens fed again give
+    the logits they gave."""
+    model, stock = build("gemma3")
+    cfg = CacheConfig(sink_tokens=4, recent_tokens=252, **EXACT)
+    ids = prompt(20)
+    assert torch.equal(generate(model, "qsinkkv", ids, num_beams=3, cache=QSinkKVCache(cfg, model)),
+                       generate(model, stock, ids, num_beams=3))
+    cache = QSinkKVCache(cfg, model)
+    full = run(model, "qsinkkv", ids[:, :7], cache=cache).logits
+    cache.crop(4)
+    assert cache.get_seq_length() == 4 and cache.inner.layer_lengths() == [4] * 6
+    again = run(model, "qsinkkv", ids[:, 4:7], cache=cache).logits
+    assert (again - full[:, 4:]).abs().max() < 1e-5
+
+
 def test_window_bits_and_the_bytes_of_each_type():
     """``window_bits`` sets the window layers' bits apart from the global layers'; the window layers' bytes are
     bounded by their window whatever the global layers keep."""

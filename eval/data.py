@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from qsinkkv.integrations.transformers import refuse_hybrid
 from qsinkkv.models import default_model_dir, load_model
+from qsinkkv.policy import refuse_hybrid
 
 from . import replay
 

@@ -21,9 +21,8 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from qsinkkv import CacheConfig  # noqa: E402
 from qsinkkv.hf import QSinkKVCache  # noqa: E402
-from qsinkkv.integrations.transformers import hybrid_layers  # noqa: E402
 from qsinkkv.paged import PagedCache  # noqa: E402
-from qsinkkv.policy import SLIDING  # noqa: E402
+from qsinkkv.policy import SLIDING, hybrid_layers  # noqa: E402
 
 WINDOW = 8
 GEMMA_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]

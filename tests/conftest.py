@@ -21,9 +21,9 @@ KERNEL_TOL = 1e-5 if DEVICE == "cpu" else 3e-3
 # --- markers: `make test-fast` runs -m "not model and not slow" --------------------------------------------------
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "model: loads a real model (the default SmolLM2-135M-Instruct, or Gemma 3 270M in "
-                                       "tests/test_gemma3_model.py): the default_model fixture or a fixture built on "
-                                       "it, load_model, qsinkkv-eval on the model")
+    config.addinivalue_line("markers", "model: loads a real model (the default SmolLM2-135M-Instruct, or Gemma 3 270M "
+                                       "in tests/test_gemma3_model.py): the default_model fixture or a fixture built "
+                                       "on it, load_model, qsinkkv-eval on the model")
     config.addinivalue_line("markers", "slow: takes more than ~5 s on 2 CPU cores without loading the model")
 
 

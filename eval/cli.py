@@ -82,11 +82,12 @@ def _common(p: argparse.ArgumentParser, command: str) -> None:
     if command != "calibrate":
         many = command == "stream"
         p.add_argument("--positions", nargs="+" if many else None, choices=POSITIONS,
-                       default=list(POSITIONS) if many else "absolute",
+                       default=None if many else "absolute",
                        help="position contract (RoPE): absolute, or cache_index (StreamingLLM: pre-RoPE keys "
                             "rotated by their index in the cache); default "
                             + ("both, side by side" if many else "absolute")
-                            + ("; the report's stream part always shows both" if command == "report" else ""))
+                            + ("; the report's stream part always shows both" if command == "report" else "")
+                            + " (a model with trained window layers: absolute only)"),
     sinks_note = {"frontier": "; frontier: the baselines' (the grid has its own)",
                   "tune": "; unused by tune (the grid has its own)"}.get(command, "")
     p.add_argument("--sink-tokens", type=int, default=4, help="sink tokens S (default 4)" + sinks_note)
@@ -338,19 +339,29 @@ def run(args) -> dict:
     import torch
 
     from . import calibrate, kv, memory, ppl, stream
-    from .data import encode, load, model_name
+    from .data import encode, layers_line, load, model_name, window_layers
 
     torch.manual_seed(args.seed)
     dtype = dict(bfloat16=torch.bfloat16, float32=torch.float32)[args.dtype]
     t0 = time.time()
-    model, tok = load(args.model, args.device, dtype)
+    # a model with trained window layers replays under absolute positions only (qsinkkv.policy): the defaults that
+    # show both contracts show that one there; a contract asked for by name is refused by load, before the weights
+    both = stream.POSITIONS if not window_layers(args.model) else ("absolute",)
+    if args.command == "stream":
+        args.positions = args.positions or list(both)
+        stream_positions = tuple(args.positions)
+    else:
+        stream_positions = both  # the report's stream part
+    asked = stream_positions if args.command == "stream" else (getattr(args, "positions", "absolute"),)
+    model, tok = load(args.model, args.device, dtype, tuple(dict.fromkeys(asked)))
     cmd, S = args.command, args.sink_tokens
     results = dict(command=" ".join(["qsinkkv-eval"] + args.argv),
                    date=time.strftime("%Y-%m-%d"), model=model_name(args.model),
                    text=args.text or "pydoc_data.topics (CPython)", device=args.device, dtype=args.dtype,
                    seed=args.seed, versions=_versions(),
                    config={k: v if k != "memory_of" or v is None else memory.text_of(v)
-                           for k, v in vars(args).items() if k not in ("text_content", "argv")})
+                           for k, v in vars(args).items() if k not in ("text_content", "argv")},
+                   layers=layers_line(args.model))
     if cmd == "recall":
         results["recall"] = _recall_run(args, model, tok)
     need_short = cmd in ("kv", "ppl", "calibrate", "report", "frontier", "tune")
@@ -366,7 +377,8 @@ def run(args) -> dict:
     if cmd == "stream" and args.memory_of is not None:
         from .footprint import Geometry
         try:  # sized on the meta device before any replay: a budget no cache fits is refused here
-            plan = stream.plan_memory(Geometry.of(model), args.memory_of, S, args.stream_tokens)
+            geo = Geometry.of(model, tokens=args.stream_tokens)
+            plan = stream.plan_memory(geo, args.memory_of, S, args.stream_tokens)
         except ValueError as e:
             raise UsageError(str(e)) from None
         long_ids = encode(tok, args.text_content, args.stream_tokens, "--tokens").to(args.device)
@@ -375,7 +387,7 @@ def run(args) -> dict:
         what = "--tokens" if cmd == "stream" else "the stream part (4 x --tokens)"
         long_ids = encode(tok, args.text_content, args.stream_tokens, what).to(args.device)
         results["stream"] = stream.run(model, long_ids, S, args.stream_recent, args.window,
-                                       positions=tuple(positions) if cmd == "stream" else stream.POSITIONS)
+                                       positions=stream_positions)
     if cmd in ("frontier", "tune"):
         results[cmd] = _frontier(args, model, tok, ids)
     if cmd in ("calibrate", "report"):  # full attention: reuse the kv capture only if it saw everything
@@ -423,7 +435,7 @@ def _frontier(args, model, tok, ids) -> dict:
     from .footprint import Geometry
 
     grid, C = args.grid_spec, args.run_capacity
-    geo = Geometry.of(model)
+    geo = Geometry.of(model, tokens=int(ids.shape[1]))
     rec = None
     if args.command == "tune" and frontier.CALIBRATE in grid["sinks"]:
         # refuse a budget nothing can fit before calibrating: try every sink count calibrate can give
@@ -467,6 +479,7 @@ def write(results: dict, out: str) -> list[Path]:
               f"- date: {results['date']}, {results['seconds']} s on {results['device']} ({results['dtype']} model)",
               f"- model: {results['model']}",
               f"- text: {results['text']}",
+              *([f"- layers: {results['layers']}"] if "layers" in results else []),
               "- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items() if v), ""]
         for s in sections:
             report.PLOTS[s](results[s], tmp / f"{s}.png")

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from qsinkkv.models import default_model_dir, load_model
-from qsinkkv.policy import refuse_hybrid
+from qsinkkv.policy import check_servable, trained_windows
 
 from . import replay
 
@@ -53,14 +53,36 @@ def encode(tokenizer, text: str, tokens: int, what: str = "--tokens") -> torch.T
     return ids[:, :tokens]
 
 
-def load(model: str | None, device: str, dtype: torch.dtype):
-    """(model, tokenizer), with the replay attention selected. A model with layers that are not full attention
-    (trained sliding-window, chunked or linear: ``refuse_hybrid``) is refused by its config, before its weights
-    load: the replay runs every layer as full attention with sinks + window, which would read wrong, silently."""
-    refuse_hybrid(model_config(model), f"--model {model}" if model is not None else "the default model")
+def load(model: str | None, device: str, dtype: torch.dtype, positions: tuple[str, ...] = ("absolute",)):
+    """(model, tokenizer), with the replay attention selected. A model the replay cannot run as trained under each
+    contract of ``positions`` (chunked or linear attention, soft-capped logits, ``cache_index`` beside trained
+    window layers: ``qsinkkv.policy.check_servable``) is refused by its config, before its weights load."""
+    check_servable(model_config(model), f"--model {model}" if model is not None else "the default model",
+                   tuple(positions))
     lm, tok = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
     lm.set_attn_implementation(replay.ATTN_IMPLEMENTATION)
+    replay.check_head(lm)
     return lm, tok
+
+
+def layers_line(model: str | None) -> str:
+    """What each layer type of ``model`` keeps in every run (the replay's rule, ``replay.layer_visible``), from its
+    config."""
+    from qsinkkv.policy import FULL, SLIDING, layer_types, spans
+
+    text = model_config(model).get_text_config(decoder=True)
+    types = layer_types(text)
+    if SLIDING not in types:
+        return f"{len(types)} full-attention layers: each run's sinks + window"
+    where = {kind: spans([i for i, t in enumerate(types) if t == kind]) for kind in dict.fromkeys(types)}
+    return "; ".join(f"{kind} (layers {where[kind]}): " + ("each run's sinks + window" if kind == FULL else
+                     f"its trained window of {text.sliding_window} tokens, no sinks, stored by each scheme")
+                     for kind in where)
+
+
+def window_layers(model: str | None) -> dict[int, int]:
+    """``{layer: trained window}`` of ``model``'s window layers, read from its config (``trained_windows``)."""
+    return trained_windows(model_config(model).get_text_config(decoder=True))
 
 
 def model_config(model: str | None):

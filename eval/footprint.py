@@ -23,6 +23,12 @@ quantizer allocates, never from a formula:
 Layers of one model are identical in shape, so the baselines are measured on one layer and
 multiplied by the layer count; the qsinkkv cache is built with all its layers.
 
+A model with trained window layers (``Geometry.window_layers``; Gemma 3, gpt-oss, ...) keeps two caches, as
+``QSinkKVCache``'s ``LayerPolicy`` does: its full-attention layers hold ``capacity`` tokens under the scheme, its
+window layers ``Geometry.window_held`` tokens (their trained window, at most the stream's tokens) under the same
+scheme with no sinks (``qsinkkv.policy.window_config``), however small the capacity. ``Footprint.by_type`` gives each
+type's bytes; the bf16 cache is the model's own: transformers' ``DynamicSlidingWindowLayer`` on a window layer.
+
 Two figures per cache (``Footprint.total`` and ``Footprint.ideal``):
 
 * **allocated** (``total``): what the real cache holds, as above. For a qsinkkv cache this is its
@@ -44,6 +50,7 @@ from torch import Tensor
 from qsinkkv import CacheConfig, SinkQuantCache, quant
 from qsinkkv.layout import WindowLayout
 from qsinkkv.paged import block_bytes
+from qsinkkv.policy import FULL, SLIDING, trained_windows, window_config
 from qsinkkv.storage import LayerStorage
 
 from .schemes import BF16, BNB_BLOCK, QUANTO, Scheme, cache_config
@@ -56,12 +63,36 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32  # the model's compute dtype (quanto's residual holds it)
+    window_layers: int = 0    # of num_layers: trained window layers (the rest are full attention)
+    window: int = 0           # their trained window (sliding_window)
+    tokens: int | None = None  # the stream's length, which caps what a window layer holds (None: past its window)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.window_layers <= self.num_layers or (self.window_layers > 0) != (self.window > 0):
+            raise ValueError(f"Geometry: window_layers={self.window_layers} of {self.num_layers} layers with "
+                             f"window={self.window}: both 0, or 1..num_layers layers of a window >= 1")
 
     @classmethod
-    def of(cls, model) -> Geometry:
+    def of(cls, model, tokens: int | None = None) -> Geometry:
+        """``model``'s geometry; ``tokens``: the stream's length (None: a stream past every window)."""
         cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, model.dtype)
+        windows = trained_windows(cfg)
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, model.dtype, len(windows),
+                   max(windows.values(), default=0), tokens)
+
+    @property
+    def window_held(self) -> int:
+        """Tokens a window layer's cache holds (``window_config``): its window, at most the stream's tokens."""
+        return self.window if self.tokens is None else min(self.window, self.tokens)
+
+    def split(self) -> list[tuple[str, Geometry]]:
+        """``(layer type, a geometry of its layers alone)`` for each layer type present: the full-attention layers,
+        then the window layers."""
+        full = self.num_layers - self.window_layers
+        one = dict(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+        return ([(FULL, Geometry(full, **one))] if full else []) + \
+            ([(SLIDING, Geometry(self.window_layers, **one))] if self.window_layers else [])
 
     @property
     def bf16_bytes_per_token(self) -> int:
@@ -77,6 +108,7 @@ class Footprint:
     bf16_total: int            # bytes of a bf16 cache of the same capacity (K and V, nothing else)
     parts: dict[str, int] = field(default_factory=dict)  # sinks, codes, scales, float (filling block, residual)
     ideal: float | None = None  # bytes of exactly ``capacity`` tokens in the cache's formats (None: = total)
+    by_type: dict[str, int] = field(default_factory=dict)  # layer type -> its bytes (a model with window layers)
 
     @property
     def per_token(self) -> float:
@@ -93,9 +125,25 @@ class Footprint:
         return self.total / self.bf16_total
 
     def to_dict(self) -> dict:
-        return dict(capacity=self.capacity, bytes=self.total, bytes_per_token=self.per_token,
-                    bf16_fraction=self.fraction, ideal_bytes=self.ideal_total,
-                    ideal_bytes_per_token=self.ideal_total / self.capacity, parts=dict(self.parts))
+        out = dict(capacity=self.capacity, bytes=self.total, bytes_per_token=self.per_token,
+                   bf16_fraction=self.fraction, ideal_bytes=self.ideal_total,
+                   ideal_bytes_per_token=self.ideal_total / self.capacity, parts=dict(self.parts))
+        return out | (dict(by_type=dict(self.by_type)) if self.by_type else {})
+
+
+def _by_type(geo: Geometry, capacity: int, of_one) -> Footprint:
+    """The footprint of every layer type of ``geo`` summed: ``of_one(layer type, its geometry, its tokens)`` for
+    each (module doc: the full-attention layers hold ``capacity`` tokens, the window layers ``geo.window``)."""
+    pieces = {kind: of_one(kind, sub, capacity if kind == FULL else geo.window_held) for kind, sub in geo.split()}
+    parts: dict[str, int] = {}
+    for fp in pieces.values():
+        for name, n in fp.parts.items():
+            parts[name] = parts.get(name, 0) + n
+    ideal = None if all(fp.ideal is None for fp in pieces.values()) else \
+        sum(fp.ideal_total for fp in pieces.values())
+    return Footprint(capacity, sum(fp.total for fp in pieces.values()),
+                     sum(fp.bf16_total for fp in pieces.values()), parts, ideal,
+                     {k: fp.total for k, fp in pieces.items()} if geo.window_layers else {})
 
 
 def _nbytes(t: Tensor) -> int:
@@ -115,7 +163,16 @@ def _make(geo: Geometry, capacity: int, parts: dict[str, int], layers: int = 1) 
 
 
 def of_config(config: CacheConfig, geo: Geometry) -> Footprint:
-    """A real ``SinkQuantCache`` of ``config`` (capacity S + W), every layer, batch 1."""
+    """A real ``SinkQuantCache`` of ``config`` (capacity S + W), every layer, batch 1 (a window layer's: its
+    ``window_config``)."""
+    return _by_type(geo, config.capacity, lambda kind, sub, n: _of_config(_typed(config, kind, n), sub))
+
+
+def _typed(config: CacheConfig, kind: str, window: int) -> CacheConfig:
+    return config if kind == FULL else window_config(config, window)
+
+
+def _of_config(config: CacheConfig, geo: Geometry) -> Footprint:
     cache = SinkQuantCache(config, geo.num_layers, 1, geo.num_kv_heads, geo.head_dim, device="cpu", dtype=BF16,
                            backend="torch")
     groups = dict(sinks=("sink_k", "sink_v"), codes=("key_codes", "value_codes"),
@@ -132,32 +189,61 @@ def allocated(config: CacheConfig, geo: Geometry) -> int:
     storage's own allocation on the meta device: equal to ``of_config(config, geo).total`` without
     building the cache."""
     config.check_head_dim(geo.head_dim)
-    one = LayerStorage.allocate(WindowLayout(config), 1, geo.num_kv_heads, geo.head_dim, torch.device("meta"))
-    return geo.num_layers * one.nbytes()
+    total = 0
+    for kind, sub in geo.split():
+        layout = WindowLayout(_typed(config, kind, geo.window_held))
+        one = LayerStorage.allocate(layout, 1, geo.num_kv_heads, geo.head_dim, torch.device("meta"))
+        total += sub.num_layers * one.nbytes()
+    return total
 
 
 def ideal(config: CacheConfig, geo: Geometry) -> float:
     """Exactly ``config.capacity`` tokens in ``config``'s formats, every layer (see the module doc)."""
-    sizes, layout = block_bytes(config, geo.num_kv_heads, geo.head_dim), WindowLayout(config)
-    U = min(layout.unquantized_tokens, config.recent_tokens)
-    bs = config.block_size
-    per_layer = sizes["sink"] + U * sizes["float"] / bs + (config.recent_tokens - U) * sizes["quant"] / bs
-    return geo.num_layers * per_layer
+    total = 0.0
+    for kind, sub in geo.split():
+        c = _typed(config, kind, geo.window_held)
+        sizes, layout = block_bytes(c, geo.num_kv_heads, geo.head_dim), WindowLayout(c)
+        U = min(layout.unquantized_tokens, c.recent_tokens)
+        bs = c.block_size
+        per_layer = sizes["sink"] + U * sizes["float"] / bs + (c.recent_tokens - U) * sizes["quant"] / bs
+        total += sub.num_layers * per_layer
+    return total
 
 
 def bf16(geo: Geometry, capacity: int, device: str = "cpu") -> Footprint:
     """transformers' ``DynamicLayer`` holding ``capacity`` tokens of K and V in bf16 (``device="meta"``:
-    the same bytes, nothing allocated)."""
-    from transformers.cache_utils import DynamicLayer
+    the same bytes, nothing allocated); a window layer: its ``DynamicSlidingWindowLayer`` fed the tokens it holds."""
+    fed = geo.tokens if geo.tokens is not None else geo.window + 1  # what a window layer has seen: past its window
+    return _by_type(geo, capacity, lambda kind, sub, n: _make(sub, n, dict(float=stock_layer_bytes(
+        sub, n, BF16, device=device) if kind == FULL else stock_layer_bytes(sub, fed, BF16, geo.window, device))))
 
-    layer = DynamicLayer()
-    kv = torch.zeros(1, geo.num_kv_heads, capacity, geo.head_dim, dtype=BF16, device=device)
+
+def stock_layer_bytes(geo: Geometry, tokens: int, dtype: torch.dtype, window: int | None = None,
+                      device: str = "meta") -> int:
+    """Bytes of K and V that one layer of transformers' own cache holds after ``tokens`` tokens in ``dtype``: a
+    ``DynamicLayer`` (every token), or with ``window`` a ``DynamicSlidingWindowLayer`` (``window - 1`` tokens
+    between steps), read off its tensors."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layer = DynamicLayer() if window is None else DynamicSlidingWindowLayer(sliding_window=window)
+    kv = torch.zeros(1, geo.num_kv_heads, tokens, geo.head_dim, dtype=dtype, device=device)
     layer.update(kv, kv.clone())
-    return _make(geo, capacity, dict(float=_nbytes(layer.keys) + _nbytes(layer.values)))
+    return _nbytes(layer.keys) + _nbytes(layer.values)
 
 
 def of_scheme(scheme: Scheme, geo: Geometry, sink_tokens: int, capacity: int) -> Footprint:
-    """The cache ``scheme`` keeps for ``capacity`` tokens whose first ``sink_tokens`` are the sinks."""
+    """The cache ``scheme`` keeps for ``capacity`` tokens whose first ``sink_tokens`` are the sinks (a window
+    layer: its window, no sinks)."""
+    if scheme.family == "quanto" and geo.window_layers:
+        raise ValueError("quanto: transformers' QuantizedCache keeps every token of every layer, so it has no "
+                         "footprint beside a model's trained window layers")
+    if scheme.family == "bf16":
+        return bf16(geo, capacity)
+    return _by_type(geo, capacity, lambda kind, sub, n: _of_scheme(scheme, sub, sink_tokens if kind == FULL else 0,
+                                                                   n))
+
+
+def _of_scheme(scheme: Scheme, geo: Geometry, sink_tokens: int, capacity: int) -> Footprint:
     config = cache_config(scheme, sink_tokens, capacity)
     if config is not None:
         return of_config(config, geo)

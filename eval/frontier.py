@@ -146,9 +146,9 @@ def measure(model, ids, points: list[Candidate], sink_tokens: int, capacity: int
     from .ppl import _quanto_stream, quanto_skip
 
     T = ids.shape[1]
-    geo = footprint.Geometry.of(model)
+    geo = footprint.Geometry.of(model, tokens=T)
     rotary = replay.positions_rotary(model, positions)
-    with replay.replay(store_of(REFERENCE, 0), 0, T, rotary=rotary):
+    with replay.replay(store_of(REFERENCE), 0, T, rotary=rotary):
         ref_logp, _, ref_rows = replay.token_logprobs(model, ids, keep_rows=True)
     ref_nll = -ref_logp.mean().item()
     rows = []
@@ -160,21 +160,22 @@ def measure(model, ids, points: list[Candidate], sink_tokens: int, capacity: int
         if scheme is not None and not scheme.available():
             rows.append(dict(row, status=f"skipped: {scheme.requires} is not installed"))
             continue
+        if scheme is not None and scheme.family == "quanto":
+            skip = quanto_skip(capacity, T, rotary, geo)
+            if skip:
+                rows.append(dict(row, status=skip))
+                continue
         if p.config is not None:
             c = p.config
             S, W = c.sink_tokens, c.recent_tokens
             memory = footprint.of_config(c, geo)
-            def store(layer, k, v, c=c):
-                return config_view(k, v, c)
+            def store(layer, k, v, sinks, c=c):  # sinks: 0 on a trained window layer
+                return config_view(k, v, dataclasses.replace(c, sink_tokens=sinks))
         else:
             S, W = sink_tokens, capacity - sink_tokens  # the visible set; bf16_sinks says how the sinks are stored
             memory = footprint.of_scheme(scheme, geo, sink_tokens, capacity)
-            store = store_of(scheme, S)
+            store = store_of(scheme)
         if scheme is not None and scheme.family == "quanto":
-            skip = quanto_skip(capacity, T, rotary)
-            if skip:
-                rows.append(dict(row, status=skip))
-                continue
             logp, kl = _quanto_stream(model, ids, ref_rows)
         elif scheme is not None and scheme.family == "bf16" and capacity >= T:
             logp, kl = ref_logp, ref_logp * 0  # the reference itself
@@ -291,7 +292,7 @@ def check_budget(configs: list[CacheConfig], budget: Budget, geo: footprint.Geom
 
 def tune(model, ids, configs: list[CacheConfig], budget: Budget, capacity: int, positions: str) -> dict:
     """Measure the configurations whose bytes fit ``budget``; the least KL among them (ties: fewer bytes)."""
-    geo = footprint.Geometry.of(model)
+    geo = footprint.Geometry.of(model, tokens=int(ids.shape[1]))
     within = check_budget(configs, budget, geo, capacity)
     points = [Candidate(config_name(c), c, ours=True) for c in within]
     rows = measure(model, ids, points, 0, capacity, positions, desc="tune")

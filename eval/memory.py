@@ -6,9 +6,12 @@ memory budget.
 
 A budget ``DTYPE:N`` is the bytes of a ``DTYPE`` cache of N tokens: the K and V of N tokens in that
 dtype, all layers (read off a tensor of that shape, as a plain transformers ``DynamicLayer``
-holds them). Each scheme is sized by the bytes its real cache **allocates**, read from the
-storage's own allocation on the meta device (no memory is touched, so the search is exact and
-costs microseconds per capacity tried):
+holds them; a trained window layer's ``DynamicSlidingWindowLayer`` at most its window). On such a model every
+configuration's window layers hold their whole window whatever the capacity (``footprint.py``), so
+the budget left for the full-attention layers is what the window layers leave.
+
+Each scheme is sized by the bytes its real cache **allocates**, read from the storage's own
+allocation on the meta device (no memory is touched, so the search is exact and costs microseconds per capacity tried):
 
 * qsinkkv (``sinks + int8`` / ``int4``): the dense ``LayerStorage`` a ``SinkQuantCache`` of batch 1
   allocates per layer (``LayerStorage.allocate``: the sink page, the quantized ring and the bf16
@@ -50,9 +53,11 @@ class Budget:
         return f"{self.dtype}:{self.tokens}"
 
     def nbytes(self, geo: footprint.Geometry) -> int:
-        """K and V of ``tokens`` tokens in ``dtype``, all layers (a meta tensor of that shape)."""
-        one = torch.empty(1, geo.num_kv_heads, self.tokens, geo.head_dim, dtype=DTYPES[self.dtype], device="meta")
-        return 2 * geo.num_layers * one.numel() * one.element_size()
+        """K and V of ``tokens`` tokens in ``dtype``, all layers, as transformers' own cache holds them (meta
+        tensors: a ``DynamicLayer`` per full-attention layer, a ``DynamicSlidingWindowLayer`` per window layer)."""
+        return sum(sub.num_layers * footprint.stock_layer_bytes(sub, self.tokens, DTYPES[self.dtype],
+                                                                geo.window if kind == footprint.SLIDING else None)
+                   for kind, sub in geo.split())
 
 
 def parse_memory_of(text: str) -> list[Budget]:

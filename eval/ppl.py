@@ -21,6 +21,7 @@ from .progress import bar
 from .schemes import REFERENCE, schemes_for, store_of
 
 QUANTO_ABSOLUTE_ONLY = "skipped: QuantizedCache stores post-RoPE keys (absolute positions only)"
+QUANTO_NO_WINDOW_LAYERS = "skipped: QuantizedCache keeps every token of every layer (the model has window layers)"
 
 
 def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only: list[str] | None = None,
@@ -28,10 +29,10 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
     T = ids.shape[1]
     W = recent_tokens
     capacity = min(sink_tokens + W, T)
-    geo = footprint.Geometry.of(model)
+    geo = footprint.Geometry.of(model, tokens=T)
     rotary = replay.positions_rotary(model, positions)
     todo = [s for b in bits for s in schemes_for(b) if only is None or s.name in only]
-    with replay.replay(store_of(REFERENCE, sink_tokens), sink_tokens, W, rotary=rotary):
+    with replay.replay(store_of(REFERENCE), sink_tokens, W, rotary=rotary):
         ref_logp, _, ref_rows = replay.token_logprobs(model, ids, keep_rows=True)
     ref_nll = -ref_logp.mean().item()
     rows = [dict(scheme=REFERENCE.name, bits=16, description=REFERENCE.description, ppl=math.exp(ref_nll),
@@ -43,13 +44,13 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
             rows.append(dict(row, status=f"skipped: {scheme.requires} is not installed"))
             continue
         if scheme.family == "quanto":
-            skip = quanto_skip(sink_tokens + W, T, rotary)
+            skip = quanto_skip(sink_tokens + W, T, rotary, geo)
             if skip:
                 rows.append(dict(row, status=skip))
                 continue
             logp, kl = _quanto_stream(model, ids, ref_rows)
         else:
-            with replay.replay(store_of(scheme, sink_tokens), sink_tokens, W, rotary=rotary):
+            with replay.replay(store_of(scheme), sink_tokens, W, rotary=rotary):
                 logp, kl, _ = replay.token_logprobs(model, ids, ref_rows=ref_rows)
         nll = -logp.mean().item()
         rows.append(dict(row, ppl=math.exp(nll), nll=nll, delta_pct=100 * math.expm1(nll - ref_nll),
@@ -59,8 +60,10 @@ def run(model, ids, bits: list[int], sink_tokens: int, recent_tokens: int, only:
                 rows=rows)
 
 
-def quanto_skip(capacity: int, tokens: int, rotary) -> str | None:
+def quanto_skip(capacity: int, tokens: int, rotary, geo: footprint.Geometry) -> str | None:
     """Why transformers' QuantizedCache cannot be measured here, or None."""
+    if geo.window_layers:
+        return QUANTO_NO_WINDOW_LAYERS
     if capacity < tokens:
         return "skipped: QuantizedCache keeps every token (no window)"
     if rotary is not None:

@@ -168,7 +168,8 @@ def run(model, tokenizer, todo: dict, plans: list[dict], seed: int, positions: s
             n = sum(a["correct"] for a in got)
             if row is None:
                 T = len(todo[d][0].ids)
-                size = dict(capacity=T, bytes=footprint.of_scheme(REFERENCE, geo, 0, T).total, bits=16, sink_tokens=0)
+                size = dict(capacity=T, bytes=footprint.of_scheme(REFERENCE, footprint.Geometry.of(model, tokens=T), 0,
+                                                                  T).total, bits=16, sink_tokens=0)
             else:
                 size = dict(capacity=row.capacity, bytes=row.bytes, bits=row.bits, sink_tokens=row.sink_tokens)
             out.append(dict(distance=d, correct=n, trials=len(got), accuracy=n / len(got), **size,

@@ -8,6 +8,13 @@ None of that depends on later tokens, so all T queries are computed in parallel 
 layer's real K/V. ``tests/test_eval.py`` checks this against a token-by-token stream through
 the real ``QSinkKVCache``.
 
+Each layer replays as the model was trained (``qsinkkv.policy``): a trained window layer (Gemma 2/3, gpt-oss,
+Mistral with ``sliding_window``, ...) sees exactly its window, ``sink_tokens=0, recent_tokens=sliding_window``, its
+tokens stored by the same scheme with no sinks, as ``QSinkKVCache``'s ``LayerPolicy`` keeps it; a full-attention
+layer sees the run's sinks + window. Learned sink logits (gpt-oss's ``s_aux``) join every query's softmax. With
+``recent_tokens`` at least the text, the replay is the model itself (``tests/test_eval_hybrid.py``: stock's
+perplexity).
+
 Two position contracts (``CacheConfig.positions``):
 
 * ``absolute``: keys are stored as the model rotated them (their true positions);
@@ -37,6 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from qsinkkv import Rotary, sink_window_attention
 from qsinkkv.layout import query_tiles
+from qsinkkv.policy import trained_windows
 
 from .schemes import BF16, StoredKV
 
@@ -45,10 +53,10 @@ ATTN_IMPLEMENTATION = "qsinkkv_eval"
 
 @dataclass
 class Replay:
-    store: Callable[[int, Tensor, Tensor], StoredKV | None]  # (layer, k, v) -> stored view
+    store: Callable[[int, Tensor, Tensor, int], StoredKV | None]  # (layer, k, v, sink_tokens) -> stored view
     sink_tokens: int
     recent_tokens: int
-    captured: dict[int, tuple[Tensor, Tensor, Tensor]] | None = field(default=None)  # layer -> (q, k, v)
+    captured: dict[int, tuple] | None = field(default=None)  # layer -> (q, k, v, learned sink logits or None)
     fused_causal: bool = False  # plain causal attention through SDPA (a no-limit bf16 cache only)
     rotary: Rotary | None = None  # the model's RoPE: the cache_index contract (None: absolute)
 
@@ -59,9 +67,10 @@ _ACTIVE: list[Replay] = []
 @contextlib.contextmanager
 def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False, fused_causal: bool = False,
            rotary: Rotary | None = None):
-    """While active, the model's attention replays decode steps under ``store``; with ``capture``
-    the yielded Replay collects every layer's (q, k, v) in ``captured`` (as the model computed
-    them: post-RoPE). ``fused_causal`` lets a bf16 cache that sees everything use SDPA (fast on
+    """While active, the model's attention replays decode steps under ``store`` (``(layer, k, v, sink_tokens)``:
+    ``sink_tokens`` is the layer's, 0 on a trained window layer); with ``capture``
+    the yielded Replay collects every layer's (q, k, v, learned sink logits or None) in ``captured`` (as the model
+    computed them: post-RoPE). ``fused_causal`` lets a bf16 cache that sees everything use SDPA (fast on
     long texts; it sums in another order, so a reference that schemes are compared against must
     not use it). ``rotary`` (the model's schedule, ``positions_rotary``) selects the
     ``cache_index`` contract: ``store`` then receives pre-RoPE keys."""
@@ -75,13 +84,14 @@ def replay(store, sink_tokens: int, recent_tokens: int, capture: bool = False, f
 
 def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: int, recent_tokens: int,
            scale: float | None = None, want_probs: bool = False, fused_causal: bool = False,
-           rotary: Rotary | None = None) -> tuple[Tensor, Tensor | None]:
+           rotary: Rotary | None = None, sink_logits: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Decode-time attention of queries at positions ``0..T-1``: ``qsinkkv.sink_window_attention`` (the
     reference every path shares) per tile of queries over the keys the tile can see (``query_tiles``).
 
     q ``[B, H, T, D]``; k, v ``[B, Hkv, T, D]`` (the layer's K/V); view: the stored form, or None
     for a bf16 cache. With ``rotary`` (the ``cache_index`` contract) q, k and ``view.k`` are
-    pre-RoPE and are rotated by their cache index. Returns the output ``[B, H, T, D]``
+    pre-RoPE and are rotated by their cache index. ``sink_logits [H]``: learned per-head sink logits (gpt-oss),
+    in every query's softmax denominator. Returns the output ``[B, H, T, D]``
     float32 and, with ``want_probs``, the attention probabilities ``[B, H, T, T]`` (zero where
     not visible).
     """
@@ -89,7 +99,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: 
     pos = torch.arange(T, device=q.device)
     qf = q.float()
     kf, vf = k.to(BF16).float(), v.to(BF16).float()
-    if fused_causal and view is None and not want_probs and recent_tokens >= T:
+    if fused_causal and view is None and not want_probs and recent_tokens >= T and sink_logits is None:
         if rotary is not None:  # every index is the position: no sink's index is moved
             qf, kf = rotary.rotate(qf, pos), rotary.rotate(kf, pos)
         out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
@@ -98,7 +108,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, view: StoredKV | None, sink_tokens: 
     out = torch.empty(B, H, T, D, device=q.device)
     probs = torch.zeros(B, H, T, T, device=q.device) if want_probs else None
     attention = functools.partial(sink_window_attention, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                  scale=scale, rotary=rotary, return_probs=want_probs)
+                                  scale=scale, rotary=rotary, return_probs=want_probs, sink_logits=sink_logits)
     for t0, t1, idx in query_tiles(T, sink_tokens, recent_tokens, q.device):  # the tiling the references use
         if view is None:
             o = attention(qf[:, :, t0:t1], kf[:, :, idx], vf[:, :, idx], pos[t0:t1], idx)
@@ -123,12 +133,26 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     rp = _ACTIVE[-1]
     layer = module.layer_idx
     if rp.captured is not None:
-        rp.captured[layer] = (query.detach(), key.detach(), value.detach())
+        sinks = kwargs.get("s_aux")
+        rp.captured[layer] = (query.detach(), key.detach(), value.detach(), None if sinks is None else sinks.detach())
+    S, W = layer_visible(module.config, layer, rp.sink_tokens, rp.recent_tokens)
+    if rp.rotary is not None and (S, W) != (rp.sink_tokens, rp.recent_tokens):
+        raise ValueError("positions='cache_index' on a model with trained window layers: only 'absolute' replays "
+                         "there (qsinkkv.policy)")
     q, k = (query, key) if rp.rotary is None else (unrotate(rp.rotary, query), unrotate(rp.rotary, key))
-    view = rp.store(layer, k, value)
-    out, _ = attend(q, k, value, view, rp.sink_tokens, rp.recent_tokens, scaling, fused_causal=rp.fused_causal,
-                    rotary=rp.rotary)
+    view = rp.store(layer, k, value, S)
+    out, _ = attend(q, k, value, view, S, W, scaling, fused_causal=rp.fused_causal, rotary=rp.rotary,
+                    sink_logits=kwargs.get("s_aux"))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def layer_visible(config, layer: int, sink_tokens: int, recent_tokens: int) -> tuple[int, int]:
+    """``(sink_tokens, recent_tokens)`` layer ``layer`` of a model of ``config`` (``model.config`` or its text config)
+    sees in a run of ``sink_tokens + recent_tokens``: a trained window layer its window and no sinks
+    (``qsinkkv.policy.trained_windows``), a full-attention layer the run's."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = trained_windows(text).get(layer)
+    return (sink_tokens, recent_tokens) if window is None else (0, window)
 
 
 def positions_rotary(model, positions: str) -> Rotary | None:
@@ -167,7 +191,36 @@ def token_logprobs(model, ids: Tensor, ref_rows: Tensor | None = None, keep_rows
     """
     with torch.no_grad():
         hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-        return _score(model.get_output_embeddings(), hidden, ids[0, 1:], ref_rows, keep_rows, chunk)
+        return _score(functools.partial(head_logits, model), hidden, ids[0, 1:], ref_rows, keep_rows, chunk)
+
+
+def head_logits(model, hidden: Tensor) -> Tensor:
+    """The model's logits of ``hidden [..., hidden_size]``: its output embedding and what its ``forward`` does
+    after it (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2's ``final_logit_softcapping``).
+    ``check_head`` holds every model the eval loads to its own ``forward``, so a head this misses is refused, never
+    scored wrongly."""
+    logits = model.get_output_embeddings()(hidden)
+    cfg = model.config.get_text_config(decoder=True)
+    if getattr(model, "logit_scale", None) is not None:
+        logits = logits * model.logit_scale
+    if getattr(cfg, "logits_scaling", None):
+        logits = logits / cfg.logits_scaling
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def check_head(model, tokens: int = 8) -> None:
+    """A ValueError unless ``head_logits`` gives the model's own logits (its ``forward``) on ``tokens`` tokens."""
+    ids = torch.arange(tokens, device=model.device).unsqueeze(0) % model.config.get_text_config(decoder=True).vocab_size
+    with replay(lambda layer, k, v, sinks: None, 0, tokens), torch.no_grad():
+        own = model(input_ids=ids, use_cache=False).logits.float()
+        ours = head_logits(model, model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state).float()
+    if not torch.allclose(ours, own, rtol=1e-4, atol=1e-4 * own.abs().max().item()):
+        raise ValueError(f"{type(model).__name__} changes its logits after the output embedding in a way the eval "
+                         f"does not reproduce (largest difference {(ours - own).abs().max().item():.3g}): refused "
+                         "rather than scored wrongly")
 
 
 def _score(head, hidden: Tensor, target: Tensor, ref_rows, keep_rows: bool, chunk: int = 512):

@@ -186,9 +186,10 @@ def config_view(k: Tensor, v: Tensor, config: CacheConfig) -> StoredKV:
                                                       positions="absolute"))
 
 
-def store_of(scheme: Scheme, sink_tokens: int):
-    """The replay's per-layer store for ``scheme``: ``(layer, k, v) -> StoredKV | None``."""
-    return lambda layer, k, v: stored_view(scheme, k, v, sink_tokens)
+def store_of(scheme: Scheme):
+    """The replay's per-layer store for ``scheme``: ``(layer, k, v, sink_tokens) -> StoredKV | None`` (the replay
+    passes each layer's sinks: 0 on a trained window layer)."""
+    return lambda layer, k, v, sink_tokens: stored_view(scheme, k, v, sink_tokens)
 
 
 def _per_tensor(x: Tensor, skip: int, bits: int) -> Tensor:

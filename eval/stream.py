@@ -58,7 +58,7 @@ def run(model, ids, sink_tokens: int, recent_tokens: int, window: int = 256,
     of them in ``by_positions[contract]``."""
     T = ids.shape[1]
     C = sink_tokens + recent_tokens
-    geo = footprint.Geometry.of(model)
+    geo = footprint.Geometry.of(model, tokens=T)
     rows, curves = [], {}
     for cfg in bar(configs(sink_tokens, recent_tokens), "stream"):
         S, W, scheme = cfg["sink_tokens"], cfg["recent_tokens"], cfg["scheme"]
@@ -79,7 +79,7 @@ def run(model, ids, sink_tokens: int, recent_tokens: int, window: int = 256,
 
 def _nll(model, ids, scheme: Scheme, S: int, W: int, full: bool, contract: str):
     """``nll[t]``: predicting token t + 1 from tokens 0..t, under the replay of ``scheme``."""
-    with replay.replay(store_of(scheme, S), S, W, fused_causal=full, rotary=replay.positions_rotary(model, contract)):
+    with replay.replay(store_of(scheme), S, W, fused_causal=full, rotary=replay.positions_rotary(model, contract)):
         logp, _, _ = replay.token_logprobs(model, ids)
     return -logp
 
@@ -121,7 +121,7 @@ def run_memory(model, ids, plan: dict, window: int = 256, positions: tuple[str, 
     """Every windowed configuration at each budget's capacity and the full cache, over the same
     positions (module doc). A configuration at a capacity another budget also gives runs once."""
     T = ids.shape[1]
-    geo = footprint.Geometry.of(model)
+    geo = footprint.Geometry.of(model, tokens=T)
     F = plan["after_fill_from"]
     done: dict = {}
 

@@ -56,7 +56,7 @@ class LayerPolicy:
 
     def describe(self) -> str:
         """One line per layer type: its layers and what they keep (``repr`` and the eval's report print it)."""
-        return "; ".join(f"{kind} (layers {_spans(layers)}): {_keeps(dict(self.configs)[kind])}"
+        return "; ".join(f"{kind} (layers {spans(layers)}): {_keeps(dict(self.configs)[kind])}"
                          for kind, layers in self.groups().items())
 
     def __repr__(self) -> str:
@@ -69,7 +69,7 @@ def _keeps(cfg: CacheConfig) -> str:
     return f"{sinks}{cfg.recent_tokens} recent tokens in {window}" + ("" if cfg.sink_tokens else " (no sinks)")
 
 
-def _spans(layers: list[int]) -> str:
+def spans(layers: list[int]) -> str:
     """``[0, 1, 2, 4, 5]`` -> ``"0-2, 4-5"``."""
     runs: list[list[int]] = []
     for i in layers:
@@ -106,7 +106,7 @@ def policy_for(text_config, config: CacheConfig, window_bits: int | None = None)
     model = getattr(text_config, "model_type", "this")
     other = sorted(set(types) - {FULL, SLIDING})
     if other:
-        where = _spans([i for i, t in enumerate(types) if t in other])
+        where = spans([i for i, t in enumerate(types) if t in other])
         raise ValueError(f"{model} model has {', '.join(other)} layers ({where}): qsinkkv serves full-attention and "
                          "trained sliding-window layers only (chunked and linear attention / state-space layers are "
                          "refused, never run as full attention)")
@@ -123,11 +123,31 @@ def policy_for(text_config, config: CacheConfig, window_bits: int | None = None)
         raise ValueError(f"positions={config.positions!r} on a model with trained window layers ({model}): only "
                          "'absolute' is served there (a window layer's keys keep their true rotation, and Gemma 3's "
                          "two RoPE bases would need a schedule per layer type)")
-    bits = config.bits if window_bits is None else window_bits
-    window_config = replace(config, sink_tokens=0, recent_tokens=window, bits=bits,
-                            residual_tokens=min(config.residual_tokens, window))
-    configs = [(kind, config if kind == FULL else window_config) for kind in dict.fromkeys(types)]
+    configs = [(kind, config if kind == FULL else window_config(config, window, window_bits))
+               for kind in dict.fromkeys(types)]
     return LayerPolicy(tuple(types), tuple(configs))
+
+
+def window_config(config: CacheConfig, window: int, window_bits: int | None = None) -> CacheConfig:
+    """What a trained window layer keeps beside full-attention layers keeping ``config``: exactly ``window``
+    tokens, no sinks, quantized to ``window_bits`` (default ``config.bits``) in ``config``'s block size, groups and
+    dtypes (the residual at most the window)."""
+    bits = config.bits if window_bits is None else window_bits
+    return replace(config, sink_tokens=0, recent_tokens=window, bits=bits,
+                   residual_tokens=min(config.residual_tokens, window))
+
+
+def trained_windows(text_config) -> dict[int, int]:
+    """``{layer: its trained window in tokens}`` for each ``sliding_attention`` layer (``layer_types``) of a (text)
+    model config; empty when every layer is full attention. The eval's replay and footprint read it."""
+    types = layer_types(text_config)
+    if SLIDING not in types:
+        return {}
+    window = getattr(text_config, "sliding_window", None)
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{getattr(text_config, 'model_type', 'this')} model has sliding_attention layers but "
+                         f"sliding_window={window!r}")
+    return {i: window for i, t in enumerate(types) if t == SLIDING}
 
 
 def _text(model_config):
@@ -145,25 +165,14 @@ def hybrid_layers(model_config) -> dict[int, str]:
     return {i: t for i, t in enumerate(types) if t != FULL}
 
 
-def refuse_hybrid(model_config, what: str) -> None:
-    """A ValueError naming each layer type and its layers when ``model_config`` has a layer that is not full
-    attention (``hybrid_layers``): qsinkkv attends every layer as full attention with sinks + window, which serves
-    a trained window layer wrongly (past its window it sees what it was never trained on) and silently: what does not
-    serve them per layer type yet (the eval's replay) refuses them with it. ``what``: who refuses (the eval's
-    ``--model M``, ...), the message's start."""
-    hybrid = hybrid_layers(model_config)
-    if not hybrid:
-        return
+def check_servable(model_config, what: str, positions: tuple[str, ...] = ("absolute",)) -> None:
+    """A ValueError starting ``what`` (who asks: the eval's ``--model M``, ...) when ``model_config`` (``model.config``)
+    has layers qsinkkv cannot serve exactly under each position contract of ``positions`` (``policy_for``'s
+    refusals: chunked or linear attention, soft-capped logits, ``cache_index`` on a model with window layers).
+    Read from the config alone: the eval calls it before any weight loads."""
     text = _text(model_config)
-    window, chunk = getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None)
-    sizes = {"sliding_attention": f" (a trained window of {window} tokens)" if window else "",
-             "chunked_attention": f" (chunks of {chunk} tokens)" if chunk else ""}
-    by_kind: dict[str, list[int]] = {}
-    for i in range(text.num_hidden_layers):
-        by_kind.setdefault(hybrid.get(i, FULL), []).append(i)
-    found = "; ".join(f"{kind}{sizes.get(kind, '')} at layer{'s' * (len(idx) > 1)} {_spans(idx)}"
-                      for kind, idx in by_kind.items())
-    raise ValueError(f"{what}: this {getattr(text, 'model_type', '')} model has layers that are not full attention: "
-                     f"{found}. qsinkkv-eval replays every layer with one config: trained sliding-window, chunked or "
-                     "linear attention layers (hybrid models) are refused there until it replays each layer type, "
-                     "never run as full attention (QSinkKVCache serves window models in transformers)")
+    for contract in positions:
+        try:
+            policy_for(text, CacheConfig(positions=contract))
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None

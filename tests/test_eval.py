@@ -86,10 +86,10 @@ def test_identity_store_is_exactly_the_reference(model_tok):
     """A 'quantizer' that stores bf16 exercises the stored-view path and must change nothing."""
     model, tok = model_tok
     ids = data.encode(tok, data.default_text(), 96)
-    with replay.replay(lambda layer, k, v: None, 4, 40):
+    with replay.replay(lambda layer, k, v, sinks: None, 4, 40):
         ref, _, _ = replay.token_logprobs(model, ids)
 
-    def identity(layer, k, v):
+    def identity(layer, k, v, sinks):
         return schemes.StoredKV(k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float(),
                                 torch.zeros(k.shape[2], dtype=torch.long))
     with replay.replay(identity, 4, 40):
@@ -122,7 +122,7 @@ def test_replay_tracks_a_real_token_by_token_stream():
     ids = data.encode(tok, data.default_text(), 96)
     S, W = 4, 40
     kw = dict(sink_tokens=S, bits=4, block_size=8, value_group_size=16)
-    def view(layer, k, v):
+    def view(layer, k, v, sinks):
         return schemes._real_cache_view(k, v, CacheConfig(recent_tokens=k.shape[2] - S, **kw))
 
     with replay.replay(view, S, W):
@@ -154,12 +154,13 @@ def test_stream_detects_evicted_sinks(tmp_path, monkeypatch):
 
 
 def test_calibrate_warnings():
-    cfg = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
+    cfg = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                                num_hidden_layers=2)
     cfg.get_text_config = lambda decoder=True: cfg
     model = types.SimpleNamespace(config=cfg, named_parameters=lambda: iter([("layers.0.self_attn.sinks", None)]))
     w = calibrate.model_warnings(model)
-    assert any("sink logits" in x for x in w) and any("sliding-window layers" in x for x in w)
-    plain = types.SimpleNamespace(layer_types=["full_attention"])
+    assert any("sink logits" in x for x in w) and any("1 of the 2 layers keep a trained window of 8" in x for x in w)
+    plain = types.SimpleNamespace(layer_types=["full_attention"], num_hidden_layers=1)
     plain.get_text_config = lambda decoder=True: plain
     assert calibrate.model_warnings(types.SimpleNamespace(config=plain, named_parameters=lambda: iter([]))) == []
 

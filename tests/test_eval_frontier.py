@@ -239,7 +239,7 @@ def test_cache_index_replay_tracks_a_real_token_by_token_stream(model_tok):
     par = {}
     for bits, c in configs.items():
         for positions in ("cache_index", "absolute"):
-            def view(layer, k, v, c=c):
+            def view(layer, k, v, sinks, c=c):
                 return schemes.config_view(k, v, c) if c.bits != 16 else None
             with replay.replay(view, S, W, rotary=replay.positions_rotary(model, positions)):
                 par[bits, positions], _, _ = replay.token_logprobs(model, ids)

@@ -8,8 +8,7 @@ a model-wide window, a gpt-oss (alternating window and full layers, learned sink
   it is stock, token for token; past their capacity every layer type keeps exactly its visible set (a float64
   oracle: the model itself under each layer type's mask); a padded batch gives each row its answer alone.
 * What cannot be served exactly is refused by name, nothing changed: the portable mode, a pool, soft-capping,
-  chunked attention; and every ``qsinkkv-eval`` command (its replay is not per layer type yet), before the weights
-  load."""
+  chunked attention. (The eval on these models: ``test_eval_hybrid.py``.)"""
 import re
 
 import pytest
@@ -276,34 +275,3 @@ def test_a_cache_built_for_another_model_is_refused_by_the_layer():
 ])
 def test_hybrid_layers_of_each_family(name, kwargs, expected):
     assert set(hybrid_layers(getattr(transformers, name)(**kwargs))) == expected
-
-
-# --- qsinkkv-eval: refused by the config, before the weights load ---------------------------------------------
-
-@pytest.fixture
-def gemma_dir(tmp_path):
-    """A model folder holding only the tiny Gemma 3's config: its weights are never read."""
-    gemma_config().save_pretrained(tmp_path / "gemma")
-    return tmp_path / "gemma"
-
-
-def test_eval_load_refuses_before_the_weights(gemma_dir, monkeypatch):
-    from qsinkkv.eval import data
-
-    monkeypatch.setattr(data, "load_model", lambda *a, **k: pytest.fail("the weights would load"))
-    with pytest.raises(ValueError, match=f"--model {re.escape(str(gemma_dir))}: this gemma3_text model .*{NAMED}"):
-        data.load(str(gemma_dir), "cpu", torch.float32)
-
-
-@pytest.mark.parametrize("argv", [["ppl"], ["stream"], ["recall"], ["kv"], ["calibrate"], ["frontier"],
-                                  ["tune", "--budget", "0.3"], ["report"]], ids=lambda a: a[0])
-def test_every_eval_command_refuses_a_hybrid_model_writing_nothing(argv, gemma_dir, tmp_path, capsys, monkeypatch):
-    from qsinkkv.eval import cli, data, recall
-
-    monkeypatch.setattr(data, "load_model", lambda *a, **k: pytest.fail("the weights would load"))
-    monkeypatch.setattr(recall, "run", lambda *a, **k: pytest.fail("recall's full-cache row would run"))
-    out = tmp_path / "out"
-    assert cli.main([*argv, "--model", str(gemma_dir), "--out", str(out), "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert f"qsinkkv-eval: error: --model {gemma_dir}: this gemma3_text model" in err and GEMMA_LAYERS in err
-    assert not out.exists()

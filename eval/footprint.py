@@ -42,7 +42,7 @@ Two figures per cache (``Footprint.total`` and ``Footprint.ideal``):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -80,6 +80,11 @@ class Geometry:
         windows = trained_windows(cfg)
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, model.dtype, len(windows),
                    max(windows.values(), default=0), tokens)
+
+    @property
+    def stream(self) -> int:
+        """Tokens the stream has fed a window layer (None: past its window)."""
+        return self.tokens if self.tokens is not None else self.window + 1
 
     @property
     def window_held(self) -> int:
@@ -135,6 +140,11 @@ def _by_type(geo: Geometry, capacity: int, of_one) -> Footprint:
     """The footprint of every layer type of ``geo`` summed: ``of_one(layer type, its geometry, its tokens)`` for
     each (module doc: the full-attention layers hold ``capacity`` tokens, the window layers ``geo.window``)."""
     pieces = {kind: of_one(kind, sub, capacity if kind == FULL else geo.window_held) for kind, sub in geo.split()}
+    if geo.window_layers:  # against the model's own bf16 cache: a window layer's DynamicSlidingWindowLayer
+        pieces = {kind: replace(fp, bf16_total=sub.num_layers * (
+            stock_layer_bytes(sub, capacity, BF16) if kind == FULL else
+            stock_layer_bytes(sub, geo.stream, BF16, geo.window)))
+            for (kind, sub), fp in zip(geo.split(), pieces.values())}
     parts: dict[str, int] = {}
     for fp in pieces.values():
         for name, n in fp.parts.items():
@@ -213,9 +223,11 @@ def ideal(config: CacheConfig, geo: Geometry) -> float:
 def bf16(geo: Geometry, capacity: int, device: str = "cpu") -> Footprint:
     """transformers' ``DynamicLayer`` holding ``capacity`` tokens of K and V in bf16 (``device="meta"``:
     the same bytes, nothing allocated); a window layer: its ``DynamicSlidingWindowLayer`` fed the tokens it holds."""
-    fed = geo.tokens if geo.tokens is not None else geo.window + 1  # what a window layer has seen: past its window
-    return _by_type(geo, capacity, lambda kind, sub, n: _make(sub, n, dict(float=stock_layer_bytes(
-        sub, n, BF16, device=device) if kind == FULL else stock_layer_bytes(sub, fed, BF16, geo.window, device))))
+    def one(kind, sub, n):
+        held = stock_layer_bytes(sub, n, BF16, device=device) if kind == FULL else \
+            stock_layer_bytes(sub, geo.stream, BF16, geo.window, device)
+        return _make(sub, n, dict(float=held))
+    return _by_type(geo, capacity, one)
 
 
 def stock_layer_bytes(geo: Geometry, tokens: int, dtype: torch.dtype, window: int | None = None,

@@ -174,6 +174,7 @@ def test_ppl_on_a_window_model_reads_the_model_itself(gemma_dir, tmp_path):
     assert rows["bf16"]["ppl"] == pytest.approx(stock, rel=1e-5)
     assert rows["qsinkkv-int4"]["kl"] > 0 and "window layers" in rows["quanto-int4"]["status"]
     # bytes: the window layers hold their 32 tokens, the global ones the 96
+    assert rows["bf16"]["memory"]["bf16_fraction"] == 1.0  # the model's own cache
     by_type = rows["bf16"]["memory"]["by_type"]
     assert by_type == {"full_attention": 2 * 96 * 256, "sliding_attention": 4 * 31 * 256}  # 256: K, V of a token
 

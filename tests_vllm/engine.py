@@ -17,8 +17,10 @@ logprobs (N: also each token's top N candidates, ``logprobs``),
 refusals (each prompt added to the engine on its own: one that vLLM refuses at ``add_request`` -- e.g. a prompt
 not shorter than max_model_len -- gets its message in ``refused`` and ``None`` in ``tokens``, the others run; without
 it ``LLM.generate`` raises for the whole batch).
-Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), block_size, prefix_caching (on or off),
-held_blocks (per request: the most it held, and what it held at its end), with refusals ``refused`` ({index:
+Output: tokens, seconds, tokens_per_s, kv_tokens (what vLLM's pool holds), max_concurrency (vLLM's count of the requests
+of max_model_len tokens its pool holds at once, every KV cache group counted), block_size, prefix_caching (on or off),
+held_blocks (per request: the most it held, and what it held at its end; the first KV cache group's), groups (with
+step: each KV cache group's window and held blocks), with refusals ``refused`` ({index:
 message}) and ``finish_reasons``, or error (the message of the exception that stopped the engine, at start or
 mid-run).
 """
@@ -41,10 +43,15 @@ def default_model() -> str:
     return str(cache_dir() / DEFAULT_MODEL)
 
 
-def _manager(llm):
-    """The first KV cache group's manager in the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+def _managers(llm) -> list:
+    """Each KV cache group's manager in the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     core = llm.llm_engine.engine_core.engine_core
-    return core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    return list(core.scheduler.kv_cache_manager.coordinator.single_type_managers)
+
+
+def _manager(llm):
+    """The first KV cache group's manager."""
+    return _managers(llm)[0]
 
 
 def _held(manager, request_id: str) -> int:
@@ -88,7 +95,9 @@ def run(spec: dict) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
     cache = llm.llm_engine.vllm_config.cache_config
     out = {"block_size": cache.block_size, "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
-           "prefix_caching": cache.enable_prefix_caching}
+           "prefix_caching": cache.enable_prefix_caching,
+           # vLLM's own count (group-aware): requests of max_model_len tokens its pool holds at once
+           "max_concurrency": getattr(cache, "kv_cache_max_concurrency", None)}
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True,
                             logprobs=spec.get("logprobs"))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
@@ -122,22 +131,30 @@ def run(spec: dict) -> dict:
 def _generate(llm, spec: dict, prompts: list, params, out: dict) -> None:
     """Run the prompts (by ``spec``'s mode) into ``out``: tokens and the mode's extras."""
     if spec.get("step"):
-        engine, manager = llm.llm_engine, _manager(llm)
+        engine, managers = llm.llm_engine, _managers(llm)
+        manager = managers[0]
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, p in zip(ids, prompts):
             engine.add_request(rid, p, params)
-        most, last, tokens = dict.fromkeys(ids, 0), dict.fromkeys(ids, 0), {}
+        most = [dict.fromkeys(ids, 0) for _ in managers]
+        last, tokens = [dict.fromkeys(ids, 0) for _ in managers], {}
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished:
                     tokens[o.request_id] = list(o.outputs[0].token_ids)
-            for key in list(manager.req_to_blocks):  # vLLM suffixes the ids it is given
-                rid = key if key in most else key.rsplit("-", 1)[0]
-                if rid in most:
-                    n = _held(manager, key)
-                    most[rid], last[rid] = max(most[rid], n), n
+            for g, m in enumerate(managers):
+                for key in list(m.req_to_blocks):  # vLLM suffixes the ids it is given
+                    rid = key if key in most[g] else key.rsplit("-", 1)[0]
+                    if rid in most[g]:
+                        n = _held(m, key)
+                        most[g][rid], last[g][rid] = max(most[g][rid], n), n
         out["tokens"] = [tokens[r] for r in ids]
-        out["held_blocks"] = {"most": [most[r] for r in ids], "at_end": [last[r] for r in ids]}
+        out["held_blocks"] = {"most": [most[0][r] for r in ids], "at_end": [last[0][r] for r in ids]}
+        # every KV cache group (a model with window layers has several): its window and what each request held
+        out["groups"] = [{"sink_tokens": getattr(m.kv_cache_spec, "sink_tokens", None),
+                          "recent_tokens": getattr(m.kv_cache_spec, "recent_tokens", None),
+                          "block_size": m.block_size, "most": [most[g][r] for r in ids],
+                          "at_end": [last[g][r] for r in ids]} for g, m in enumerate(managers)]
         out["free_blocks_after"] = manager.block_pool.get_num_free_blocks()
     elif spec.get("refusals"):
         engine, refused, done = llm.llm_engine, {}, {}

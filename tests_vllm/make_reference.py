@@ -9,12 +9,18 @@ W=60, block 32: capacity 64, every row streams past it) and ``int4`` (the same w
 32 with value groups of 32, float32 scales). OUT.json holds ``{"runs": {name: reference}}``. It also
 converts the default model to the safetensors folder vLLM loads (``qsinkkv.models.default_model_dir``)
 and writes its path.
+
+A model with trained window layers (issue 65): ``gemma3_bits16`` and ``gemma3_int4`` run the same configs on a tiny
+random Gemma 3 (``tiny_gemma3``: layers 2 and 5 global, the rest a trained window of 24 tokens; saved beside OUT.json
+with the default model's tokenizer), under QSinkKVCache's per-layer-type policy: the global layers S=4 + W=60, the
+window layers exactly their 24 tokens, no sinks.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,24 +46,36 @@ def prompts(tokenizer, n: int, lengths=(17, 23, 31, 40)) -> list[list[int]]:
     return out
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--config", action="append", metavar="NAME=JSON",
-                   help="a named CacheConfig as JSON (dtype names); default: the tests' bits16 and int4")
-    args = p.parse_args(argv)
+GEMMA_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+
+
+def tiny_gemma3(out: Path) -> Path:
+    """A tiny random Gemma 3 (seeded) with the default model's tokenizer, saved as a model folder vLLM loads."""
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=64, num_hidden_layers=6,
+                                        layer_types=GEMMA_TYPES, sliding_window=24, max_position_embeddings=1024)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    for f in default_model_dir().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def generate(path, configs: dict, n_prompts: int, max_new_tokens: int) -> dict:
+    """{name: reference}: HF generate with QSinkKVCache of each config on the model at ``path``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qsinkkv.hf import QSinkKVCache
-    configs = dict(c.split("=", 1) for c in args.config) if args.config else \
-        {name: json.dumps(raw) for name, raw in DEFAULTS.items()}
-    path = default_model_dir()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.set_attn_implementation("qsinkkv")  # the fused path: qsinkkv's own prefill and decode ops
-    ids = prompts(tok, args.prompts)
+    ids = prompts(tok, n_prompts)
     tok.padding_side = "left"  # each row's sinks are its first real tokens
     runs = {}
     for name, text in configs.items():
@@ -66,12 +84,30 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         with torch.no_grad():
             batch = tok.pad({"input_ids": ids}, return_tensors="pt")
-            out = model.generate(**batch, cache=QSinkKVCache(cfg, model), max_new_tokens=args.max_new_tokens,
-                                 min_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+            out = model.generate(**batch, cache=QSinkKVCache(cfg, model), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
         tokens = out[:, batch["input_ids"].shape[1]:].tolist()
         runs[name] = {"model": str(path), "config": raw, "config_resolved": to_jsonable(cfg), "prompts": ids,
-                      "tokens": tokens, "max_new_tokens": args.max_new_tokens, "seconds": time.perf_counter() - t0}
-        print(f"{name}: {len(ids)} prompts x {args.max_new_tokens} tokens in {runs[name]['seconds']:.1f}s ({path})")
+                      "tokens": tokens, "max_new_tokens": max_new_tokens, "seconds": time.perf_counter() - t0}
+        print(f"{name}: {len(ids)} prompts x {max_new_tokens} tokens in {runs[name]['seconds']:.1f}s ({path})")
+    return runs
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--config", action="append", metavar="NAME=JSON",
+                   help="a named CacheConfig as JSON (dtype names); default: the tests' bits16 and int4")
+    args = p.parse_args(argv)
+    configs = dict(c.split("=", 1) for c in args.config) if args.config else \
+        {name: json.dumps(raw) for name, raw in DEFAULTS.items()}
+    runs = generate(default_model_dir(), configs, args.prompts, args.max_new_tokens)
+    if not args.config:  # the window model's references (tests_vllm/test_vllm_hybrid.py)
+        gemma = tiny_gemma3(Path(args.out).absolute().with_name("qsinkkv-vllm-tiny-gemma3"))
+        runs.update({f"gemma3_{name}": run for name, run in generate(gemma, configs, args.prompts,
+                                                                       args.max_new_tokens).items()})
     with open(args.out, "w") as f:
         json.dump({"runs": runs}, f)
     print(f"wrote {args.out}")

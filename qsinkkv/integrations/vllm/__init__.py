@@ -26,6 +26,11 @@ stops the engine at start. It wraps two hooks of the current platform:
   platform's member -- ``CPU_ATTN`` on the CPU, ``CUSTOM`` on CUDA (untested: no vLLM on the GPU
   machine) -- is overridden with ``QSinkKVBackend`` (``register_backend``) and returned.
 
+A model with trained sliding-window layers (Gemma 2/3, gpt-oss, Mistral, Cohere2 ...) runs each layer type under
+``qsinkkv.policy``: its full-attention layers keep the engine's config, its window layers exactly their window with
+no sinks, in the same bits (``backend.QSinkKVBackend.customize_spec``: two KV cache groups in vLLM's hybrid
+allocator); chunked or linear attention and soft-capped logits are refused at start.
+
 Imports only the qsinkkv core (torch + numpy) and vLLM: never ``qsinkkv.hf`` (vLLM pins a
 transformers older than our ``[hf]`` extra needs).
 """
@@ -131,6 +136,13 @@ def _validate(vllm_config) -> None:
         except Exception:
             head_dim = kv_heads = None
         positions = _rotary_positions(getattr(model, "hf_text_config", None))
+        text = getattr(model, "hf_text_config", None)
+        if text is not None:  # chunked or linear attention, soft-capped logits: refused by name (qsinkkv.policy)
+            from ...policy import check_servable
+            try:
+                check_servable(text, "the model", (cfg.positions,))
+            except ValueError as e:
+                raise PluginConfigError(str(e)) from None
     parallel = getattr(vllm_config, "parallel_config", None)
     bs = check_engine(cfg, block_size=cache.block_size, user_block_size=bool(cache.user_specified_block_size),
                       head_dim=head_dim, enable_prefix_caching=bool(cache.enable_prefix_caching),

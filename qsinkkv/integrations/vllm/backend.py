@@ -38,13 +38,14 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from ... import checks, decode_c, trace, write
 from ...decode import decode_blocks_torch
 from ...engine_pages import PageLayout
 from ...layout import token_positions, visible_mask
 from ...ops import resolve_backend
+from ...policy import window_config
 from . import backend_member, state
 from .quantized import QuantImpl, QuantMetadataBuilder, host_seq_lens, impl_config, sink_logits
 from .spec import QSinkKVSpec
@@ -86,19 +87,28 @@ class QSinkKVBackend(AttentionBackend):
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         """Full attention becomes qsinkkv's spec, with a manager that frees what leaves the window: vLLM's own
-        pages (bits=16), or qsinkkv's (bits 8/4: one opaque uint8 page per block, ``engine_pages.PageLayout``)."""
+        pages (bits=16), or qsinkkv's (bits 8/4: one opaque uint8 page per block, ``engine_pages.PageLayout``). A
+        trained sliding-window layer (Gemma 2/3, gpt-oss, Mistral ...) becomes qsinkkv's spec of its
+        ``window_config``: exactly its window, no sinks, the same bits; every layer type's pages are one size (the
+        largest of their layouts: vLLM's hybrid allocator shares one page size across its groups)."""
         cfg = state.active()
-        if cfg is None or isinstance(spec, QSinkKVSpec) or type(spec) is not FullAttentionSpec:
+        if cfg is None or isinstance(spec, QSinkKVSpec) or type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
             return spec
-        fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-        if cfg.bits != 16:
-            page = PageLayout.of(cfg, spec.num_kv_heads, spec.head_size)
+        layer = cfg if type(spec) is FullAttentionSpec else window_config(cfg, spec.sliding_window)
+        fields = {f: getattr(spec, f) for f in FullAttentionSpec.__dataclass_fields__ if hasattr(spec, f)}
+        # (qsinkkv's manager frees what leaves the window itself; a window layer's block is the engine's, whatever
+        # block vLLM's probe of a sliding-window layer's bytes per token starts from)
+        fields.update(sliding_window=None, block_size=cfg.block_size)
+        if layer.bits != 16:
+            page = PageLayout.of(layer, spec.num_kv_heads, spec.head_size)
+            page_bytes = max(PageLayout.of(c, spec.num_kv_heads, spec.head_size).page_bytes
+                             for c in (layer, *state.layer_configs()))
             # one state of page_bytes per block: vLLM's page size is then exactly qsinkkv's page
             fields.update(dtype=torch.uint8, num_head_slots=1, tokens_per_state=spec.block_size,
-                          state_content_bytes=page.page_bytes, page_size_padded=None)
-        return QSinkKVSpec(**fields, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
-                           in_flight_tokens=state.in_flight_tokens(), bits=cfg.bits,
-                           pinned_pages=page.pinned if cfg.bits != 16 else 1)
+                          state_content_bytes=page_bytes, page_size_padded=None)
+        return QSinkKVSpec(**fields, sink_tokens=layer.sink_tokens, recent_tokens=layer.recent_tokens,
+                           in_flight_tokens=state.in_flight_tokens(), bits=layer.bits,
+                           pinned_pages=page.pinned if layer.bits != 16 else 1)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from ...config import CacheConfig
 from ...engine_pages import EngineStep, LayerPools, PageLayout, step_tables
 from ...layout import WindowLayout
 from ...ops import select_ops
+from ...policy import window_config
 from . import state
 from .config import decode_variant, raw_config
 from .spec import QSinkKVSpec
@@ -59,8 +60,8 @@ class QuantMetadataBuilder(AttentionMetadataBuilder[QuantMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if not isinstance(kv_cache_spec, QSinkKVSpec) or kv_cache_spec.bits == 16:
             raise TypeError(f"qsinkkv's quantized backend needs its own KV cache spec, got {kv_cache_spec!r}")
-        cfg = state.active()
-        self.layout = WindowLayout(cfg)  # one for every layer: its visible-bias memo serves them all
+        cfg = spec_config(kv_cache_spec)  # the group's layer type: the engine's config, or a window layer's
+        self.layout = WindowLayout(cfg)  # one for every layer of the group: its visible-bias memo serves them all
         self.pages = PageLayout.of(cfg, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -141,26 +142,33 @@ class QuantImpl(AttentionImpl):
 
 def impl_config(alibi_slopes, sliding_window, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
                 sinks, num_heads: int) -> CacheConfig:
-    """The engine's qsinkkv config for a layer's attention impl (bits 16 or 8/4); refuses, by name, what the
-    layer asks for that the backend does not serve. ``sinks``: the layer's learned sink logits (gpt-oss), one per
+    """The engine's qsinkkv config for a layer's attention impl (bits 16 or 8/4; a layer with a trained
+    ``sliding_window``: its ``window_config``); refuses, by name, what the layer asks for that the backend does not
+    serve. ``sinks``: the layer's learned sink logits (gpt-oss), one per
     query head of this rank (``num_heads``), or None."""
     if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (num_heads,)
                               or not sinks.is_floating_point()):
         raise ValueError(f"qsinkkv's vLLM backend takes learned sinks as a float tensor of shape [num_heads="
                          f"{num_heads}] (this rank's query heads), got {getattr(sinks, 'dtype', type(sinks).__name__)} "
                          f"{tuple(getattr(sinks, 'shape', ()))}")
-    refused = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
-               "logits_soft_cap": bool(logits_soft_cap),
+    refused = {"alibi_slopes": alibi_slopes is not None, "logits_soft_cap": bool(logits_soft_cap),
                "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
                f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
     bad = [name for name, on in refused.items() if on]
     if bad:
-        raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a plain decoder with full "
-                         "attention layers is what it serves)")
+        raise ValueError(f"qsinkkv's vLLM backend does not support {', '.join(bad)} (a decoder with full-attention "
+                         "and trained sliding-window layers is what it serves)")
     cfg = state.active()
     if cfg is None or state.current_vllm_config() is None:
         raise RuntimeError("qsinkkv's vLLM backend was selected for an engine without additional_config['qsinkkv']")
-    return cfg
+    # a trained window layer keeps exactly its window, no sinks (qsinkkv.policy), as its spec does (customize_spec)
+    return cfg if sliding_window is None else window_config(cfg, sliding_window)
+
+
+def spec_config(spec) -> CacheConfig:
+    """The CacheConfig of a KV cache group's layers: the engine's, with the spec's sinks, window and bits (a trained
+    window layer's: ``window_config``)."""
+    return replace(state.active(), sink_tokens=spec.sink_tokens, recent_tokens=spec.recent_tokens, bits=spec.bits)
 
 
 def host_seq_lens(common: CommonAttentionMetadata) -> Tensor:

@@ -65,6 +65,13 @@ class QSinkKVSpec(FullAttentionSpec):
         full = self.blocks_needed(vllm_config.model_config.max_model_len)
         return min(full, self.max_blocks_per_request()) * self.page_size_bytes
 
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        """One KV cache group only with the same window (a model's full-attention and trained window layers keep
+        two: vLLM's hybrid allocator gives each its own group and manager)."""
+        mine = (self.sink_tokens, self.recent_tokens, self.bits, self.pinned_pages)
+        return all(isinstance(s, QSinkKVSpec) and (s.sink_tokens, s.recent_tokens, s.bits, s.pinned_pages) == mine
+                   for s in kv_cache_specs.values())
+
     @classmethod
     def merge(cls, specs):
         base = FullAttentionSpec.merge(specs)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from ...config import CacheConfig
+from ...policy import policy_for
 from .config import parse_config, raw_config
 
-_ACTIVE: dict = {}  # id(VllmConfig) -> (CacheConfig | None, in-flight tokens): the last engine config seen
+_ACTIVE: dict = {}  # id(VllmConfig) -> (CacheConfig | None, in-flight tokens, every layer type's CacheConfig)
 
 
 def from_vllm_config(vllm_config) -> CacheConfig | None:
@@ -20,8 +21,12 @@ def from_vllm_config(vllm_config) -> CacheConfig | None:
             in_flight = int(vllm_config.max_in_flight_tokens)
         except Exception:  # older configs: one step's token budget
             in_flight = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
+        types = (cfg,)
+        text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+        if cfg is not None and text is not None:  # (the front end refused what policy_for refuses: _validate)
+            types = tuple(c for _, c in policy_for(text, cfg).configs)
         _ACTIVE.clear()
-        _ACTIVE[key] = (cfg, in_flight)
+        _ACTIVE[key] = (cfg, in_flight, types)
     return _ACTIVE[key][0]
 
 
@@ -31,6 +36,13 @@ def active() -> CacheConfig | None:
     if current is not None:
         return from_vllm_config(current)
     return next(iter(_ACTIVE.values()))[0] if _ACTIVE else None
+
+
+def layer_configs() -> tuple[CacheConfig, ...]:
+    """The CacheConfig of each layer type of the engine's model (``qsinkkv.policy.policy_for``: the full-attention
+    layers' is the engine's, a trained window layer's keeps its window and no sinks)."""
+    active()
+    return next(iter(_ACTIVE.values()))[2] if _ACTIVE else ()
 
 
 def in_flight_tokens() -> int:

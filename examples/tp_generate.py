@@ -7,7 +7,8 @@ rank builds its own ``QSinkKVCache``, which sizes itself from the K/V it is hand
 the default model's 3 KV heads per rank), so each rank holds a third of the cache bytes. The
 stream runs past the cache's capacity. Rank 0 prints the tokens and every rank's bytes;
 ``--json`` writes them (used by the tests, which compare them with one process).
-Run without torchrun it is the single-process reference.
+Run without torchrun it is the single-process reference. ``--model DIR``: another model folder (the tests run a
+tiny Gemma 3, whose window layers keep their window on every rank).
 """
 import argparse
 import os
@@ -32,10 +33,12 @@ def main():
     option(ap, "--sink-tokens", "--sinks", type=int, default=4, help="sink tokens S (default 4)")
     option(ap, "--recent-tokens", "--recent", type=int, default=28, help="recent tokens W (default 28)")
     ap.add_argument("--prompt", default="The history of the lighthouse begins")
+    ap.add_argument("--model", default=None, help="a model folder (default: the embedded default model); one with "
+                                                  "trained window layers runs under QSinkKVCache's LayerPolicy")
     ap.add_argument("--json", help="write the tokens and every rank's bytes here")
     a = ap.parse_args()
     tp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    path = default_model_dir()  # converted once; under torchrun every rank finds it converted
+    path = a.model or default_model_dir()  # converted once; under torchrun every rank finds it converted
     kw = dict(tp_plan="auto") if tp else {}
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)

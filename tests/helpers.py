@@ -6,7 +6,8 @@ Errors:    ``rel`` (relative norm, a zero reference allowed), ``rel_rms`` (relat
            (max abs over max abs).
 Builders:  ``make`` (a float32 cache), ``draw`` / ``run_rows`` (random q, k, v), ``filled_layer`` /
            ``random_storage_layer`` (one layer's storage), ``scattered_pool`` (a paged pool whose blocks are
-           scattered), ``run_stream`` (a cache through a stream, against the float64 oracle).
+           scattered), ``run_stream`` (a cache through a stream, against the float64 oracle), ``save_tiny_gemma3``
+           (a tiny random Gemma 3 with the default model's tokenizer, as a model folder).
 """
 from __future__ import annotations
 
@@ -213,3 +214,24 @@ def outlier_qkv(seed: int, B: int = 1, H: int = 6, Hkv: int = 2, T: int = 97, D:
     v = torch.randn(B, Hkv, T, D, generator=g)
     k[:, :, 0] *= 6  # a loud first token, like a sink's key
     return q, k, v
+
+
+def save_tiny_gemma3(out, tokenizer_dir, **config):
+    """A tiny random Gemma 3 (seeded; layers 2 and 5 global, the rest a trained window of 32, head_dim 64: the eval's
+    groups of 64) with the tokenizer files of ``tokenizer_dir`` (the default model's), saved as a model folder
+    ``out``; ``config``: Gemma3TextConfig fields over those."""
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    types = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+    cfg = transformers.Gemma3TextConfig(**{**dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, num_hidden_layers=6, layer_types=types, sliding_window=32, max_position_embeddings=4096),
+        **config})
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out

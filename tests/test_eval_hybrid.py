@@ -6,13 +6,13 @@ Gemma 3 saved with the default model's tokenizer. The real Gemma 3 270M: ``test_
 import json
 import math
 import re
-import shutil
 import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from helpers import save_tiny_gemma3  # noqa: E402
 from test_hf_hybrid import FAMILIES, TINY, WINDOW, build, gemma_config, prompt  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
@@ -145,17 +145,8 @@ def test_kv_and_calibrate_measure_each_layer_type():
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory, default_model):
-    """A tiny random Gemma 3 (layers 2 and 5 global, the rest a trained window of 32; head_dim 64) with the default
-    model's tokenizer, saved as a model folder."""
-    out = tmp_path_factory.mktemp("gemma") / "gemma"
-    torch.manual_seed(0)
-    cfg = gemma_config()
-    cfg.update(dict(vocab_size=49152, sliding_window=32, max_position_embeddings=4096, head_dim=64))  # groups of 64
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    for f in default_model.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, out / f.name)
-    return out
+    """A tiny random Gemma 3 (``helpers.save_tiny_gemma3``) with the default model's tokenizer."""
+    return save_tiny_gemma3(tmp_path_factory.mktemp("gemma") / "gemma", default_model)
 
 
 def eval_cli(gemma_dir, tmp_path, *argv) -> dict:

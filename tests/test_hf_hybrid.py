@@ -275,3 +275,35 @@ def test_a_cache_built_for_another_model_is_refused_by_the_layer():
 ])
 def test_hybrid_layers_of_each_family(name, kwargs, expected):
     assert set(hybrid_layers(getattr(transformers, name)(**kwargs))) == expected
+
+
+# --- tensor parallel --------------------------------------------------------------------------------------------
+
+@pytest.mark.model  # the default model's tokenizer
+def test_tensor_parallel_on_a_window_model_equals_one_process(tmp_path, default_model):
+    """torchrun, 2 ranks on CPU (gloo), a tiny Gemma 3 with 2 KV heads sharded with tp_plan="auto": each rank's
+    HybridCache holds 1 KV head of each layer type (half the bytes), and a lossless stream past the global layers'
+    capacity and the window layers' window gives the tokens of one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import save_tiny_gemma3
+
+    model = save_tiny_gemma3(tmp_path / "gemma", default_model, num_attention_heads=4, num_key_value_heads=2)
+    script = [str(Path(__file__).parents[1] / "examples" / "tp_generate.py"), "--bits", "16", "--tokens", "48",
+              "--model", str(model)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, *script, "--json", str(tmp_path / "one.json")], env=env,
+                         capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    tp = subprocess.run([*torchrun, *script, "--json", str(tmp_path / "tp.json")], env=env, capture_output=True,
+                        text=True)
+    assert tp.returncode == 0, tp.stderr[-2000:]
+    one, tp = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "tp"))
+    assert tp["world"] == 2 and tp["tokens"] == one["tokens"]
+    assert [r["kv_heads"] for r in tp["ranks"]] == [1, 1] and one["ranks"][0]["kv_heads"] == 2
+    assert [2 * r["bytes"] for r in tp["ranks"]] == [one["ranks"][0]["bytes"]] * 2

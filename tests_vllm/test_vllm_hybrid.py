@@ -63,3 +63,25 @@ def test_a_window_model_past_capacity_follows_qsinkkvcache(reference, name):
         else:  # the tiny Gemma's 2 KV heads of 64
             bound = max_pages(WindowLayout(c), PageLayout.of(c, 2, 64).pinned, 1 + max(map(len, prompts)))
         assert max(g["most"]) <= bound, (bound, out["groups"])
+
+
+@pytest.mark.parametrize("text,named", [
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8, attn_logit_softcapping=50.0),
+     "soft-caps its attention logits"),
+    (dict(layer_types=["chunked_attention", "full_attention"], attention_chunk_size=8192), "chunked_attention layers"),
+    (dict(layer_types=["linear_attention", "full_attention"]), "linear_attention layers"),
+], ids=["gemma2-softcap", "llama4-chunked", "qwen3next-linear"])
+def test_what_the_policy_cannot_serve_is_refused_in_the_front_end(text, named):
+    """Before any engine process starts (``_validate``, the platform's ``check_and_update_config``), by name."""
+    from types import SimpleNamespace
+
+    from qsinkkv.integrations.vllm import PluginConfigError, _validate
+    text_config = SimpleNamespace(num_hidden_layers=2, model_type="test", **text)
+    model = SimpleNamespace(hf_text_config=text_config, max_model_len=1024)
+    raw = {"sink_tokens": 4, "recent_tokens": 60, "block_size": 32}
+    vllm_config = SimpleNamespace(additional_config={"qsinkkv": raw},
+                                  cache_config=SimpleNamespace(block_size=16, user_specified_block_size=False,
+                                                               enable_prefix_caching=False),
+                                  model_config=model, speculative_config=None, parallel_config=None)
+    with pytest.raises(PluginConfigError, match=named):
+        _validate(vllm_config)

@@ -83,7 +83,7 @@ class Geometry:
 
     @property
     def stream(self) -> int:
-        """Tokens the stream has fed a window layer (None: past its window)."""
+        """Tokens the stream has fed a window layer (``tokens``; when None, one past its window)."""
         return self.tokens if self.tokens is not None else self.window + 1
 
     @property
@@ -138,7 +138,8 @@ class Footprint:
 
 def _by_type(geo: Geometry, capacity: int, of_one) -> Footprint:
     """The footprint of every layer type of ``geo`` summed: ``of_one(layer type, its geometry, its tokens)`` for
-    each (module doc: the full-attention layers hold ``capacity`` tokens, the window layers ``geo.window``)."""
+    each (module doc: the full-attention layers hold ``capacity`` tokens, the window layers ``geo.window_held``); the
+    bf16 reference of a model with window layers is its own cache (``stock_layer_bytes``)."""
     pieces = {kind: of_one(kind, sub, capacity if kind == FULL else geo.window_held) for kind, sub in geo.split()}
     if geo.window_layers:  # against the model's own bf16 cache: a window layer's DynamicSlidingWindowLayer
         pieces = {kind: replace(fp, bf16_total=sub.num_layers * (

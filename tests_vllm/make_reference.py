@@ -10,10 +10,11 @@ W=60, block 32: capacity 64, every row streams past it) and ``int4`` (the same w
 converts the default model to the safetensors folder vLLM loads (``qsinkkv.models.default_model_dir``)
 and writes its path.
 
-A model with trained window layers (issue 65): ``gemma3_bits16`` and ``gemma3_int4`` run the same configs on a tiny
-random Gemma 3 (``tiny_gemma3``: layers 2 and 5 global, the rest a trained window of 24 tokens; saved beside OUT.json
-with the default model's tokenizer), under QSinkKVCache's per-layer-type policy: the global layers S=4 + W=60, the
-window layers exactly their 24 tokens, no sinks.
+Models with trained window layers (issue 65): ``gemma3_bits16`` / ``gemma3_int4`` and ``gptoss_bits16`` /
+``gptoss_int4`` run the same configs on a tiny random Gemma 3 (``tiny_gemma3``: layers 2 and 5 global, the rest a
+trained window of 24 tokens) and a tiny random gpt-oss (``tiny_gpt_oss``: a window layer and a global one, learned
+sinks, experts), each saved beside OUT.json with the default model's tokenizer, under QSinkKVCache's per-layer-type
+policy: the global layers S=4 + W=60, the window layers exactly their 24 tokens, no sinks.
 """
 from __future__ import annotations
 
@@ -51,20 +52,46 @@ GEMMA_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attenti
 
 def tiny_gemma3(out: Path) -> Path:
     """A tiny random Gemma 3 (seeded) with the default model's tokenizer, saved as a model folder vLLM loads."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=64, num_hidden_layers=6,
+                                        layer_types=GEMMA_TYPES, sliding_window=24, max_position_embeddings=1024)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return _save(cfg, out)
+
+
+def tiny_gpt_oss(out: Path) -> Path:
+    """A tiny random gpt-oss (seeded; layer 0 a trained window of 24 tokens, layer 1 global; learned sinks drawn,
+    zeros at init; 4 experts, 2 a token; unquantized) with the default model's tokenizer."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=64, num_hidden_layers=2, sliding_window=24,
+                                    num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024)
+    cfg.architectures = ["GptOssForCausalLM"]
+    return _save(cfg, out, sinks=True)
+
+
+def _save(cfg, out: Path, sinks: bool = False) -> Path:
     import shutil
 
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                        num_key_value_heads=2, head_dim=64, num_hidden_layers=6,
-                                        layer_types=GEMMA_TYPES, sliding_window=24, max_position_embeddings=1024)
-    cfg.architectures = ["Gemma3ForCausalLM"]
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if sinks:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    model.save_pretrained(out)
     for f in default_model_dir().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, out / f.name)
     return out
+
+
+TINY_MODELS = {"gemma3": tiny_gemma3, "gptoss": tiny_gpt_oss}  # the lane's models with window layers
 
 
 def generate(path, configs: dict, n_prompts: int, max_new_tokens: int) -> dict:
@@ -104,10 +131,11 @@ def main(argv=None) -> None:
     configs = dict(c.split("=", 1) for c in args.config) if args.config else \
         {name: json.dumps(raw) for name, raw in DEFAULTS.items()}
     runs = generate(default_model_dir(), configs, args.prompts, args.max_new_tokens)
-    if not args.config:  # the window model's references (tests_vllm/test_vllm_hybrid.py)
-        gemma = tiny_gemma3(Path(args.out).absolute().with_name("qsinkkv-vllm-tiny-gemma3"))
-        runs.update({f"gemma3_{name}": run for name, run in generate(gemma, configs, args.prompts,
-                                                                       args.max_new_tokens).items()})
+    if not args.config:  # the window models' references (tests_vllm/test_vllm_hybrid.py)
+        for model, build in TINY_MODELS.items():
+            path = build(Path(args.out).absolute().with_name(f"qsinkkv-vllm-tiny-{model}"))
+            runs.update({f"{model}_{name}": run for name, run in generate(path, configs, args.prompts,
+                                                                           args.max_new_tokens).items()})
     with open(args.out, "w") as f:
         json.dump({"runs": runs}, f)
     print(f"wrote {args.out}")

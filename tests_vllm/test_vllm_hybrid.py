@@ -1,5 +1,6 @@
-"""qsinkkv inside vLLM on a model with trained window layers (issue 65): a tiny random Gemma 3 (``make_reference.py``'s
-``tiny_gemma3``: layers 2 and 5 global, the rest a trained window of 24 tokens) under the per-layer-type policy -- its
+"""qsinkkv inside vLLM on models with trained window layers (issue 65): a tiny random Gemma 3 (``make_reference.py``'s
+``tiny_gemma3``: layers 2 and 5 global, the rest a trained window of 24 tokens) and a tiny random gpt-oss
+(``tiny_gpt_oss``: a window layer, a global one, learned sinks, experts) under the per-layer-type policy -- its
 global layers on qsinkkv's sinks + window, its window layers on qsinkkv's pages with exactly their window and no
 sinks, each type its own KV cache group in vLLM's hybrid allocator. Before issue 65 the plugin refused the model at
 start (``sliding_window`` by name)."""
@@ -20,10 +21,11 @@ def departures(ref: list, out: list) -> list:
     return [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), None) for r, o in zip(ref, out)]
 
 
-def test_a_window_model_within_the_global_capacity_equals_stock_vllm(reference):
+@pytest.mark.parametrize("model", ["gemma3", "gptoss"])
+def test_a_window_model_within_the_global_capacity_equals_stock_vllm(reference, model):
     """bits=16 float32, the global layers holding every token: the plugin's greedy tokens are stock vLLM's (its own
-    sliding-window layers), 8 x 64, every row past the 24-token window."""
-    run = reference["gemma3_bits16"]
+    sliding-window layers; gpt-oss: its learned sinks too), 8 x 64, every row past the 24-token window."""
+    run = reference[f"{model}_bits16"]
     spec = {"model": run["model"], "prompts": run["prompts"], "max_tokens": 64}
     stock = run_engine(spec)
     ours = run_engine({**spec, "qsinkkv": WIDE})
@@ -32,7 +34,7 @@ def test_a_window_model_within_the_global_capacity_equals_stock_vllm(reference):
     assert ours["tokens"] == stock["tokens"]
 
 
-@pytest.mark.parametrize("name", ["gemma3_bits16", "gemma3_int4"])
+@pytest.mark.parametrize("name", ["gemma3_bits16", "gemma3_int4", "gptoss_bits16", "gptoss_int4"])
 def test_a_window_model_past_capacity_follows_qsinkkvcache(reference, name):
     """S=4 W=60 on the global layers (bits=16 float32, or int4 blocks of 32), 24 tokens on the window layers: every
     row streams past both, and keeps HF generate's tokens with QSinkKVCache's policy (made in the main venv). Two KV
@@ -60,7 +62,7 @@ def test_a_window_model_past_capacity_follows_qsinkkvcache(reference, name):
         c = replace(base, sink_tokens=g["sink_tokens"], recent_tokens=g["recent_tokens"])
         if c.bits == 16:
             bound = -(-c.sink_tokens // c.block_size) + -(-c.recent_tokens // c.block_size) + 1
-        else:  # the tiny Gemma's 2 KV heads of 64
+        else:  # the tiny models' 2 KV heads of 64
             bound = max_pages(WindowLayout(c), PageLayout.of(c, 2, 64).pinned, 1 + max(map(len, prompts)))
         assert max(g["most"]) <= bound, (bound, out["groups"])
 

@@ -116,9 +116,7 @@ def policy_for(text_config, config: CacheConfig, window_bits: int | None = None)
                          "it is refused rather than served wrongly")
     if SLIDING not in types:
         return LayerPolicy(tuple(types), ((FULL, config),))
-    window = getattr(text_config, "sliding_window", None)
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"{model} model has sliding_attention layers but sliding_window={window!r}")
+    window = max(trained_windows(text_config).values())  # (refuses a missing or bad sliding_window by name)
     if config.positions != "absolute":
         raise ValueError(f"positions={config.positions!r} on a model with trained window layers ({model}): only "
                          "'absolute' is served there (a window layer's keys keep their true rotation, and Gemma 3's "

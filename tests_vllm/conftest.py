@@ -10,6 +10,20 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
+# vLLM's CUDA build (the vLLM 0.34 lane, ``make test-vllm034``) on a machine without a GPU: its CUDA platform comes
+# from the test-only platform plugin in cuda_standin/ (a stand-in driver library, device queries answered as an
+# H100's), on this process's path and its children's. The files that run a model need vLLM's CPU build here.
+CUDA_STANDIN = HERE / "cuda_standin"
+sys.path.insert(0, str(CUDA_STANDIN))
+from qsinkkv_cuda_standin import cuda_build  # noqa: E402
+
+CUDA_BUILD = cuda_build()
+if CUDA_BUILD:
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(CUDA_STANDIN), os.environ.get("PYTHONPATH"))))
+    collect_ignore = ["test_vllm_cpu_prefill.py", "test_vllm_hybrid.py", "test_vllm_load.py", "test_vllm_plugin.py",
+                      "test_vllm_recall.py", "test_vllm_server.py", "test_vllm_touchpoints.py"]
+else:
+    sys.path.remove(str(CUDA_STANDIN))
 # qsinkkv's Triton kernels (the plugin's CUDA path, tests_vllm/test_vllm_layer.py) run in Triton's interpreter here;
 # set before any of them is imported. The engines run_engine starts are CPU engines: they do not get it.
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -4,6 +4,7 @@ selection caches), by the tests in this folder and by ``benchmarks/vllm_serve.py
 
     python tests_vllm/engine.py '{"prompts": [[1, 2, 3]], "max_tokens": 8, "qsinkkv": {...} | null, ...}'
     python tests_vllm/engine.py @spec.json   # the same JSON in a file (a long spec)
+    python tests_vllm/engine.py '{"engines": [spec, spec, ...]}'   # one after another in this one process: a list out
 
 Keys: model (default: the embedded default model's safetensors folder), dtype ("float32"),
 prompts (token ids), max_tokens, max_model_len (1024), qsinkkv (CacheConfig fields, or null for stock
@@ -13,7 +14,8 @@ capture (with step, bits 8/4: a file to which the first attention layer's every 
 packed q/k/v, query_start_loc, the tokens each row held, its sink page, and the output -- for a replay
 into ``PagedCache``), capture_ranks (bits 8/4, workers in their own processes: the same, each forward of each
 tensor-parallel rank to ``<capture_ranks>.rank<R>.<step>.pt``; ``capture_plugin/qsinkkv_capture.py``),
-logprobs (N: also each token's top N candidates, ``logprobs``),
+logprobs (N: also each token's top N candidates, ``logprobs``), backends (also the attention backend and impl
+class of every attention layer of the model, ``backends``: [[backend, impl], ...], distinct, sorted),
 refusals (each prompt added to the engine on its own: one that vLLM refuses at ``add_request`` -- e.g. a prompt
 not shorter than max_model_len -- gets its message in ``refused`` and ``None`` in ``tokens``, the others run; without
 it ``LLM.generate`` raises for the whole batch).
@@ -120,6 +122,8 @@ def run(spec: dict) -> dict:
     out["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
     if spec.get("step"):
         out["page_size_bytes"] = int(_manager(llm).kv_cache_spec.page_size_bytes)
+    if spec.get("backends"):  # (each worker's model; the same classes in every rank)
+        out["backends"] = sorted({tuple(pair) for rank in llm.apply_model(_attention_classes) for pair in rank})
     out["tokens_per_s"] = sum(len(t) for t in out["tokens"] if t is not None) / out["seconds"]
     try:  # stop the engine core (and its worker) before this process goes
         llm.llm_engine.engine_core.shutdown()
@@ -179,6 +183,12 @@ def _generate(llm, spec: dict, prompts: list, params, out: dict) -> None:
                                 for step in o.outputs[0].logprobs] for o in outs]
 
 
+def _attention_classes(model) -> list[tuple[str, str]]:
+    """(backend, impl) class names of each attention layer of ``model`` (run in the worker: plain strings back)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    return [(m.attn_backend.__name__, type(m.impl).__name__) for m in model.modules() if isinstance(m, Attention)]
+
+
 def _capture_first_layer(captured: list) -> None:
     """Record every forward of the first attention layer (in this process: ``step`` runs the worker here)."""
     sys.path.insert(0, str(CAPTURE_PLUGIN))
@@ -191,6 +201,8 @@ if __name__ == "__main__":
     if arg.startswith("@"):
         with open(arg[1:]) as f:
             arg = f.read()
-    result = run(json.loads(arg))
+    spec = json.loads(arg)
+    # "engines": several specs, one after another in this one process (vLLM's per-process state shared)
+    result = [run(one) for one in spec["engines"]] if "engines" in spec else run(spec)
     print("QSINKKV_RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # skip vLLM's slow interpreter teardown; the engine core process goes with its parent

@@ -46,7 +46,7 @@ from ...engine_pages import PageLayout
 from ...layout import token_positions, visible_mask
 from ...ops import resolve_backend
 from ...policy import window_config
-from . import backend_member, state
+from . import state
 from .quantized import QuantImpl, QuantMetadataBuilder, host_seq_lens, impl_config, sink_logits
 from .spec import QSinkKVSpec
 
@@ -64,7 +64,23 @@ class QSinkKVBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return backend_member()  # the member it is registered under (vLLM compares names with the enum's)
+        return "CUSTOM"  # the member it is registered under (vLLM looks the layer's member up by this name)
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # learned sink logits (gpt-oss): one more term in each head's softmax
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True  # a trained window layer keeps exactly its window (customize_spec: window_config)
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False  # a connector would move vLLM's pages, which hold qsinkkv's blocks
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False  # the builders plan a step off vLLM's host query lengths
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -76,13 +92,11 @@ class QSinkKVBackend(AttentionBackend):
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
-        cfg = state.active()
-        return QuantImpl if cfg is not None and cfg.bits != 16 else QSinkKVImpl
+        return QuantImpl if state.required().bits != 16 else QSinkKVImpl
 
     @staticmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        cfg = state.active()
-        return QuantMetadataBuilder if cfg is not None and cfg.bits != 16 else QSinkKVMetadataBuilder
+        return QuantMetadataBuilder if state.required().bits != 16 else QSinkKVMetadataBuilder
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
@@ -91,8 +105,8 @@ class QSinkKVBackend(AttentionBackend):
         trained sliding-window layer (Gemma 2/3, gpt-oss, Mistral ...) becomes qsinkkv's spec of its
         ``window_config``: exactly its window, no sinks, the same bits; every layer type's pages are one size (the
         largest of their layouts: vLLM's hybrid allocator shares one page size across its groups)."""
-        cfg = state.active()
-        if cfg is None or isinstance(spec, QSinkKVSpec) or type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+        cfg = state.required()
+        if isinstance(spec, QSinkKVSpec) or type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
             return spec
         layer = cfg if type(spec) is FullAttentionSpec else window_config(cfg, spec.sliding_window)
         fields = {f: getattr(spec, f) for f in FullAttentionSpec.__dataclass_fields__ if hasattr(spec, f)}

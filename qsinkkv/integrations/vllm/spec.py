@@ -127,7 +127,9 @@ class QSinkKVManager(FullAttentionManager):
 
 
 def register() -> None:
-    KVCacheSpecRegistry._ensure_registered()  # the built-in specs first: registering ours would skip them
+    # vLLM registers its built-in specs on first use, only while the registry is empty: registering ours first would
+    # skip them. Its public check of a (here empty) layer table runs that first use.
+    KVCacheSpecRegistry.check_kv_cache_spec_registry({})
     KVCacheSpecRegistry.register(QSinkKVSpec, QSinkKVManager, uniform_type_base_spec=FullAttentionSpec)
 
 

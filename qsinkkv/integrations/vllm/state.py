@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ...config import CacheConfig
 from ...policy import policy_for
-from .config import parse_config, raw_config
+from .config import KEY, PluginConfigError, parse_config, raw_config
 
 _ACTIVE: dict = {}  # id(VllmConfig) -> (CacheConfig | None, in-flight tokens, every layer type's CacheConfig)
 
@@ -36,6 +36,17 @@ def active() -> CacheConfig | None:
     if current is not None:
         return from_vllm_config(current)
     return next(iter(_ACTIVE.values()))[0] if _ACTIVE else None
+
+
+def required() -> CacheConfig:
+    """The engine's CacheConfig, or ``PluginConfigError`` where qsinkkv's backend was handed an engine without one
+    (``AttentionBackendEnum.CUSTOM`` is qsinkkv's in this process; the front end refuses such an engine first)."""
+    cfg = active()
+    if cfg is None:
+        raise PluginConfigError(f"qsinkkv's attention backend (vLLM's CUSTOM member in this process) was selected "
+                                f"for an engine without additional_config[{KEY!r}]: pass the qsinkkv config, or "
+                                "another --attention-backend")
+    return cfg
 
 
 def layer_configs() -> tuple[CacheConfig, ...]:

@@ -7,7 +7,8 @@ asks vLLM's own selector, ``get_attn_backend``, as vLLM's ``Attention`` does.
     python tests_vllm/selection.py '[{"qsinkkv": {...} | null, "args": {EngineArgs fields}}, {"custom": PATH}, ...]'
 
 With "ask_qsinkkv", also what qsinkkv's backend does when asked to build this engine's layer
-(``"qsinkkv_impl"``). A step with "custom" registers vLLM's ``CUSTOM`` member to PATH first (another holder of it). Each config step gives
+(``"qsinkkv_impl"``). A step with "custom" registers vLLM's ``CUSTOM`` member to PATH (another holder of it). Each
+config step gives
 ``{"backend": class path}`` (and ``"impl"``: the class the backend builds a layer with, or its refusal), or
 ``{"error": message}`` where the engine stopped at start. Prints one line ``QSINKKV_RESULT [...]``.
 """

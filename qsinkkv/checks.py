@@ -2,8 +2,10 @@
 caller passed into host values or raises an error naming the argument and what it must be.
 
 Shapes, dtypes, devices and counts first (``chunk``, ``packed``, ``per_sequence``, ``batch_index``,
-``layer_index``); then the values (``values``): nothing NaN/Inf, or that becomes so once cast to the dtype
-it is stored in, reaches a block (it would poison the block's scales), with one device sync per call."""
+``layer_index``); then the values' primitives (``storable``, ``peaks_fit``, ``packed_tokens_fit``, the bounds):
+nothing NaN/Inf, or that becomes so once cast to the dtype it is stored in, reaches a block (it would poison the
+block's scales); ``step.check_values`` runs them over a step's row groups, with one device sync per call. A leaf:
+it imports the config, the layout and the trace only (tests/test_layering.py)."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +13,6 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -19,9 +20,6 @@ from torch import Tensor
 from . import trace
 from .config import CacheConfig
 from .layout import token_positions
-
-if TYPE_CHECKING:
-    from .step import Split
 
 
 @dataclass(frozen=True)
@@ -238,51 +236,7 @@ def condition_in_step(holds: Tensor, error) -> None:
 
 # --- values: nothing that is NaN/Inf, or becomes so once stored, reaches a block -----------------------
 
-def values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor, v: Tensor, q: Tensor | None,
-           sink_logits: Tensor | None, packed: bool = False, peaks: Callable[[list[Tensor]], list[float]] | None = None
-           ) -> None:
-    """One device sync for every value check: the K/V to be stored finite in the dtype they are stored in
-    (a sequence's first ``sink_tokens`` in ``sink_dtype``, later ones in ``window_dtype``; ``seq_lens [B]`` host:
-    tokens held before the step), q finite, sink_logits free of NaN and +inf. A packed step (``packed``: k, v, q
-    ``[N, heads, D]``, ``split.lens`` tokens per row) is checked token by token on the packed tensors
-    (``packed_tokens_fit``); a uniform chunk past the sinks with one reduction per tensor; otherwise each row
-    group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T). ``peaks``: the
-    whole-tensor reduction of the host checks (``Ops.peaks``: ``peaks_torch``, the default, or
-    ``decode_c.peaks_c``)."""
-    held, peaks = seq_lens, peaks or peaks_torch
-    refused = lambda ok: _raise_refused(ok, config, lambda x: _refused_rows(config, held, split, x, packed),  # noqa: E731
-                                        {"k": k, "v": v})
-    if packed and k.device.type != "cpu":  # an engine's step on its GPU: no host read
-        return packed_tokens_fit_in_step(config, held, split, k, v, q, sink_logits)
-    if packed:
-        return refused(packed_tokens_fit(config, held, split.lens, k, v, q, sink_logits, peaks))
-    if split is None:
-        if not held.numel() or int(held.min()) >= config.sink_tokens:
-            return refused(peaks_fit(k, v, q, sink_logits, config, peaks=peaks) if k.numel() else {})
-    ok = {"k": [], "v": [], "q": []}
-    groups = []  # (positions [n, T] host, real [n, T] host or None, q, k, v [n, heads, T, D])
-    if split is None:  # a uniform chunk whose first tokens go to the sinks
-        groups.append((held.unsqueeze(1) + torch.arange(k.shape[2]), None, q, k, v))
-    else:
-        if split.one:  # [n, heads, D] -> [n, heads, 1, D]
-            groups.append((held[split.one].unsqueeze(1), None,
-                           *(None if x is None else x.unsqueeze(2) for x in (split.q_one, split.k_one, split.v_one))))
-        if split.multi:
-            real = split.multi_real()
-            groups.append((held[split.multi].unsqueeze(1) + torch.arange(real.shape[1]), real, split.q_multi,
-                           split.k_multi, split.v_multi))
-    for pos, real, qg, kg, vg in groups:
-        ok["k"].append(storable(kg, pos, real, config))
-        ok["v"].append(storable(vg, pos, real, config))
-        if qg is not None:
-            ok["q"].append(all_finite(qg, real))
-    named = {name: torch.stack(x).all() for name, x in ok.items() if x}
-    if sink_logits is not None:
-        named["sink_logits"] = sink_logits_ok(sink_logits)
-    refused(dict(zip(named, torch.stack(list(named.values())).tolist())) if named else {})
-
-
-def _raise_refused(ok: dict[str, bool], config: CacheConfig, rows=None, kv: dict | None = None) -> None:
+def raise_refused(ok: dict[str, bool], config: CacheConfig, rows=None, kv: dict | None = None) -> None:
     """Raise for the first value check that failed (``ok``: check name -> passed); for k or v, ``rows(x)`` says
     which rows' tokens of ``kv[name]`` were refused."""
     bad = next((name for name, passed in ok.items() if not passed), None)
@@ -314,31 +268,6 @@ def sink_logits_ok(sink_logits: Tensor) -> Tensor:
     computes them in (a float64 logit of 1e300 is finite, in float32 it is inf); -inf is a head with no sink. (amax
     of a tensor holding a NaN is NaN, which fails the comparison.)"""
     return torch.amax(sink_logits.float()) < math.inf
-
-
-def _refused_rows(config: CacheConfig, seq_lens: Tensor, split: Split | None, x: Tensor, packed: bool
-                  ) -> tuple[list[int], int, float]:
-    """For the message of a refusal only: ``(rows, tokens, max |x|)`` of the tokens of ``x`` (packed ``[N, heads,
-    D]``, or a padded chunk ``[B, heads, T, D]`` whose row b holds ``split.lens[b]`` tokens, all T without a
-    split) that the value checks refuse, each against the bound of the dtype it is stored in."""
-    if packed:
-        lens = torch.tensor(split.lens)
-        rows, pos = torch.repeat_interleave(torch.arange(lens.shape[0]), lens), token_positions(seq_lens, lens)
-        top = peak(x.flatten(1), dim=1)
-    else:
-        B, T = x.shape[0], x.shape[2]
-        lens = torch.full((B,), T) if split is None else torch.tensor(split.lens)
-        real = (torch.arange(T) < lens.unsqueeze(1)).flatten()
-        rows = torch.arange(B).repeat_interleave(T)[real]
-        pos = (seq_lens.unsqueeze(1) + torch.arange(T)).flatten()[real]
-        top = peak(x, dim=(1, 3)).flatten()[real.to(x.device)]
-    top = top.double().cpu()
-    bound = torch.where(pos < config.sink_tokens, overflow_bound(config.sink_dtype, x.dtype),
-                        window_bound(config, x.dtype))
-    bad = ~(top < bound)
-    if not bad.any():
-        return [], 0, math.nan
-    return sorted(set(rows[bad].tolist())), int(bad.sum()), float(top[bad].nan_to_num(math.inf).max())
 
 
 def peaks_fit(k: Tensor, v: Tensor, q: Tensor | None, sink_logits: Tensor | None,
@@ -419,31 +348,6 @@ def packed_tokens_fit(config: CacheConfig, seq_lens: Tensor, lens: list[int], k:
     if sink_logits is not None:
         named["sink_logits"] = sink_logits_ok(sink_logits)
     return dict(zip(named, torch.stack(list(named.values())).tolist()))
-
-
-def packed_tokens_fit_in_step(config: CacheConfig, seq_lens: Tensor, split: Split, k: Tensor, v: Tensor,
-                              q: Tensor | None, sink_logits: Tensor | None) -> None:
-    """``packed_tokens_fit``'s checks of a packed step on a device, with no host read: each token's max |x| against
-    the bound of the dtype it is stored in, q finite, sink logits free of NaN and +inf, one reduction per tensor and
-    one ``torch._assert_async`` (``condition_in_step``: on a GPU a device-side assert before the step's first write;
-    on the CPU ``values``' own named error)."""
-    S = config.sink_tokens
-    to_sinks = (token_positions(seq_lens, torch.tensor(split.lens)) < S).to(k.device, non_blocking=True)
-    fits = []
-    for x in (k, v):
-        bound = torch.where(to_sinks, overflow_bound(config.sink_dtype, x.dtype), window_bound(config, x.dtype))
-        fits.append((peak(x.flatten(1), dim=1).double() < bound).all())
-    if q is not None:
-        fits.append(peak(q) < math.inf)
-    if sink_logits is not None:
-        fits.append(sink_logits_ok(sink_logits))
-
-    def error() -> Exception:
-        cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
-        values(config, seq_lens, split, cpu(k), cpu(v), cpu(q), cpu(sink_logits), packed=True)  # raises, by name
-        return RuntimeError("the value checks on the device refused what the host's accept: the two disagree")
-
-    condition_in_step(torch.stack(fits).all(), error)
 
 
 def peaks_torch(tensors: list[Tensor]) -> list[float]:

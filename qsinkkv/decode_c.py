@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -34,8 +35,6 @@ from torch import Tensor
 from . import checks, quant, trace, write
 from .checks import window_bound
 from .models import cache_dir
-from .plan import StepPlan
-from .step import split
 from .storage import QUANT_TENSORS, LayerStorage
 
 _SOURCE = Path(__file__).with_name("decode_c.c")
@@ -719,16 +718,20 @@ class EngineDecode:
     visible bias), then ``run`` per layer: the value checks, the write (the blocks that complete, the float rows)
     and the decode in two C calls, the bits ``engine_pages.attend_packed`` gives for such a step. A step the
     checks or a block's scale refuse raises by name, nothing written; so does a layer the C code cannot read in
-    place."""
+    place.
 
-    def __init__(self, store: LayerStorage, step_plan: StepPlan):
+    ``step_plan``: the step's ``plan.StepPlan`` (its ``decoding``, ``lens``, ``held`` and ``write`` are read);
+    ``refuse(q, k, v)``: raises the value checks' own error for a step the C check refused (``step.check_values``).
+    The engine step hands both in: an op never imports the plan or the step (tests/test_layering.py)."""
+
+    def __init__(self, store: LayerStorage, step_plan, refuse: Callable[[Tensor, Tensor, Tensor], None]):
         _require_lib()
         if not step_plan.decoding or step_plan.batch_size != store.batch_size:
             raise ValueError(f"the C engine step serves a plain decode step of the store's {store.batch_size} rows "
                              f"(every row one new token past its sinks), got a plan of {step_plan.batch_size} rows "
                              f"bringing {list(step_plan.lens)} tokens after {step_plan.held.tolist()}")
         layout, held, wrote = store.layout, step_plan.held, step_plan.write
-        self.plan = step_plan
+        self.plan, self.refuse = step_plan, refuse
         self.bias = layout.visible_bias(held + 1, store.device)
         self.index = [t.contiguous() for t in (wrote.full_at, wrote.full_rows, wrote.full_block, wrote.full_from,
                                                 wrote.float_at, wrote.float_rows, wrote.float_row)]
@@ -747,7 +750,7 @@ class EngineDecode:
         """``q [B, H, D]``, ``k, v [B, Hkv, D]`` (row b's new token) -> ``[B, H, D]`` in q's dtype (or into ``out``, a
         contiguous ``[B, H, D]`` float32/bf16/fp16 tensor, rounded as ``.to()`` rounds), stored into ``layer``'s pools
         (an ``engine_pages.LayerPools``: ``pools`` by name). Raises ValueError, nothing written, for a value the
-        checks refuse (``checks.values``' error), a block whose scale overflows, q, k or v of a dtype the C code does
+        checks refuse (their own error, ``refuse``), a block whose scale overflows, q, k or v of a dtype the C code does
         not read, or pools it would read through a copy. ``sink_logits [H]``: the layer's learned sinks (gpt-oss), or
         None."""
         B, Hkv, D = self.store.batch_size, self.store.num_kv_heads, self.store.head_dim
@@ -787,18 +790,12 @@ class EngineDecode:
         _point(c, x_k=x_k, x_v=x_v)
         _point(st, x_k=x_k, x_v=x_v, pool_k=pointers["float_k"], pool_v=pointers["float_v"])
         code = _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound)
-        if code == -4:  # a value the checks refuse: checks.values names it
-            self._refuse(q, k, v)
+        if code == -4:  # a value the checks refuse: their own error names it
+            self.refuse(q, k, v)
+            raise RuntimeError("the C engine step refused a value that the value checks accept: the two disagree")
         if code == -3:
             raise write.overflow_error(replace(self.store, **layer.pools), k, v, *self.index[:4])
         if code:
             raise RuntimeError(f"the C engine step failed (code {code})")
         _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)
         return out
-
-    def _refuse(self, q: Tensor, k: Tensor, v: Tensor) -> None:
-        """The error ``checks.values`` gives for this step's values (the C check refused them; nothing was written),
-        its reduction this backend's (``peaks_c``)."""
-        checks.values(self.layout.config, self.plan.held, split(self.plan, q, k, v), k, v, q, None, packed=True,
-                      peaks=peaks_c)
-        raise RuntimeError("the C engine step refused a value that checks.values accepts: the two checks disagree")

@@ -32,6 +32,7 @@ Imports the qsinkkv core only (no engine).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -240,7 +241,7 @@ def attend_packed(ops, read: LayerStorage, store: LayerStorage, q: Tensor, k: Te
     at ``[qsl[b], qsl[b+1])`` (host int64, ``qsl[0] == 0``) -> ``[N, H, D]`` (in q's dtype, or written into ``out``
     and returned), stored into ``store`` (``storages``), as ``SinkQuantCache.attend_packed`` computes it;
     ``sink_logits [H]`` float32: the layer's learned sinks, or None. check: refuse non-finite K/V or q, or NaN/+inf
-    sink logits (``checks.values``) before anything is written. ``EngineStep.attend`` without its plan made once."""
+    sink logits (``step.check_values``) before anything is written. ``EngineStep.attend`` without its plan made once."""
     if int(qsl[0]) != 0:
         raise ValueError(f"qsl must start at 0 (row 0's first token), got {qsl.tolist()}")
     return run(ops, plan.packed(read.layout, read.seq_lens, qsl.diff().tolist()), read, store, q, k, v, scale=scale,
@@ -303,6 +304,14 @@ class EngineStep:
     def fused(self, ops) -> bool:
         return self.plan.decoding and ops.engine_decode is not None
 
+    def _refuse(self, ops) -> Callable[[Tensor, Tensor, Tensor], None]:
+        """What a fused step calls when its C check refuses a value: ``step.check_values``' error for the step's
+        q, k, v (its reduction the ops': ``Ops.peaks``), raised by name."""
+        def refuse(q: Tensor, k: Tensor, v: Tensor) -> None:
+            step.check_values(self.layout.config, self.plan.held, step.split(self.plan, q, k, v), k, v, q, None,
+                              packed=True, peaks=ops.peaks)
+        return refuse
+
     def attend(self, ops, layer: LayerPools, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                sink_logits: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """``attend_packed``'s result for ``layer`` in q's dtype, or written into ``out`` (``[N, H, D]``, contiguous;
@@ -311,7 +320,7 @@ class EngineStep:
         if self.fused(ops):
             self._check(layer)
             if self._engine is None:
-                self._engine = ops.engine_decode(self.records(layer)[1], self.plan)
+                self._engine = ops.engine_decode(self.records(layer)[1], self.plan, self._refuse(ops))
             return self._engine.run(layer, q, k, v, scale, out, sink_logits)
         read, store = self.records(layer)
         into = out if out is not None and out.dtype == q.dtype else None  # (another dtype: computed, then cast)

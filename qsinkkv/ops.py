@@ -17,14 +17,14 @@ Every op reads a ``LayerStorage`` record; each has a PyTorch reference beside it
   engine decode step (the checks, the write and the decode that   decode_c.EngineDecode (CPU, C)
                      step.run gives a plain decode step, StepPlan.decoding)
   value checks       checks.peaks_torch (max |x| per tensor,       decode_c.peaks_c (CPU, C: on the values'
-                     checks.values' host reduction)              bits, no conversion)
+                     step.check_values' host reduction)            bits, no conversion)
 
 Each op has one kernel per backend, chosen here once (``Ops.kernels``, ``Ops.served_by``); every kernel notes
 itself as it runs (``qsinkkv.trace``), and a case it cannot serve raises by name: no kernel hands a call to another.
 
-Imports flow one way: config/layout -> storage -> ops (quant, decode, prefill, write, kernels) -> plan -> step
--> cache/engine_pages -> integrations/eval.
-"""
+Imports flow one way: config/layout -> checks -> storage -> ops (quant, decode, prefill, write, the C and Triton
+kernels) -> this module -> plan -> step -> cache/engine_pages -> integrations/eval (tests/test_layering.py). What
+an op needs from a step (the fused engine step's plan, its refusal) is handed to it as an argument."""
 from __future__ import annotations
 
 import functools
@@ -64,7 +64,7 @@ class Ops:
     # a packed step's prefill of rows that hold and bring at most S + W tokens in all, on its tokens where they lie
     # after what the rows held (the causal mask: prefill.prefill_causal_packed's signature), if the backend has one
     prefill_causal: Callable | None = None
-    # the host value checks' whole-tensor reduction, max |x| of each tensor (checks.values' ``peaks``)
+    # the host value checks' whole-tensor reduction, max |x| of each tensor (step.check_values' ``peaks``)
     peaks: Callable = checks.peaks_torch
 
     def served_by(self) -> dict[str, str]:

@@ -7,6 +7,7 @@ cost follows the tokens it carries, never B x T_max; ``scatter_packed`` / ``scat
 outputs back in the step's layout."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ import torch
 from torch import Tensor
 
 from . import checks, write
+from .config import CacheConfig
+from .layout import token_positions
 from .plan import StepPlan
 from .prefill import causal_context
 from .storage import LayerStorage
@@ -93,6 +96,101 @@ def split(plan: StepPlan, q: Tensor | None, k: Tensor, v: Tensor) -> Split:
     return Split(lens, one, *firsts, multi, *(pick(x, multi, T_multi) for x in (q, k, v)))
 
 
+def check_values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor, v: Tensor, q: Tensor | None,
+           sink_logits: Tensor | None, packed: bool = False, peaks: Callable[[list[Tensor]], list[float]] | None = None
+           ) -> None:
+    """One device sync for every value check: the K/V to be stored finite in the dtype they are stored in
+    (a sequence's first ``sink_tokens`` in ``sink_dtype``, later ones in ``window_dtype``; ``seq_lens [B]`` host:
+    tokens held before the step), q finite, sink_logits free of NaN and +inf. A packed step (``packed``: k, v, q
+    ``[N, heads, D]``, ``split.lens`` tokens per row) is checked token by token on the packed tensors
+    (``checks.packed_tokens_fit``); a uniform chunk past the sinks with one reduction per tensor; otherwise each row
+    group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T). ``peaks``: the
+    whole-tensor reduction of the host checks (``Ops.peaks``: ``peaks_torch``, the default, or
+    ``decode_c.peaks_c``).."""
+    held, peaks = seq_lens, peaks or checks.peaks_torch
+    refused = lambda ok: checks.raise_refused(ok, config, lambda x: _refused_rows(config, held, split, x, packed),  # noqa: E731
+                                        {"k": k, "v": v})
+    if packed and k.device.type != "cpu":  # an engine's step on its GPU: no host read
+        return _packed_tokens_fit_in_step(config, held, split, k, v, q, sink_logits)
+    if packed:
+        return refused(checks.packed_tokens_fit(config, held, split.lens, k, v, q, sink_logits, peaks))
+    if split is None:
+        if not held.numel() or int(held.min()) >= config.sink_tokens:
+            return refused(checks.peaks_fit(k, v, q, sink_logits, config, peaks=peaks) if k.numel() else {})
+    ok = {"k": [], "v": [], "q": []}
+    groups = []  # (positions [n, T] host, real [n, T] host or None, q, k, v [n, heads, T, D])
+    if split is None:  # a uniform chunk whose first tokens go to the sinks
+        groups.append((held.unsqueeze(1) + torch.arange(k.shape[2]), None, q, k, v))
+    else:
+        if split.one:  # [n, heads, D] -> [n, heads, 1, D]
+            groups.append((held[split.one].unsqueeze(1), None,
+                           *(None if x is None else x.unsqueeze(2) for x in (split.q_one, split.k_one, split.v_one))))
+        if split.multi:
+            real = split.multi_real()
+            groups.append((held[split.multi].unsqueeze(1) + torch.arange(real.shape[1]), real, split.q_multi,
+                           split.k_multi, split.v_multi))
+    for pos, real, qg, kg, vg in groups:
+        ok["k"].append(checks.storable(kg, pos, real, config))
+        ok["v"].append(checks.storable(vg, pos, real, config))
+        if qg is not None:
+            ok["q"].append(checks.all_finite(qg, real))
+    named = {name: torch.stack(x).all() for name, x in ok.items() if x}
+    if sink_logits is not None:
+        named["sink_logits"] = checks.sink_logits_ok(sink_logits)
+    refused(dict(zip(named, torch.stack(list(named.values())).tolist())) if named else {})
+
+
+def _refused_rows(config: CacheConfig, seq_lens: Tensor, split: Split | None, x: Tensor, packed: bool
+                  ) -> tuple[list[int], int, float]:
+    """For the message of a refusal only: ``(rows, tokens, max |x|)`` of the tokens of ``x`` (packed ``[N, heads,
+    D]``, or a padded chunk ``[B, heads, T, D]`` whose row b holds ``split.lens[b]`` tokens, all T without a
+    split) that the value checks refuse, each against the bound of the dtype it is stored in."""
+    if packed:
+        lens = torch.tensor(split.lens)
+        rows, pos = torch.repeat_interleave(torch.arange(lens.shape[0]), lens), token_positions(seq_lens, lens)
+        top = checks.peak(x.flatten(1), dim=1)
+    else:
+        B, T = x.shape[0], x.shape[2]
+        lens = torch.full((B,), T) if split is None else torch.tensor(split.lens)
+        real = (torch.arange(T) < lens.unsqueeze(1)).flatten()
+        rows = torch.arange(B).repeat_interleave(T)[real]
+        pos = (seq_lens.unsqueeze(1) + torch.arange(T)).flatten()[real]
+        top = checks.peak(x, dim=(1, 3)).flatten()[real.to(x.device)]
+    top = top.double().cpu()
+    bound = torch.where(pos < config.sink_tokens, checks.overflow_bound(config.sink_dtype, x.dtype),
+                        checks.window_bound(config, x.dtype))
+    bad = ~(top < bound)
+    if not bad.any():
+        return [], 0, math.nan
+    return sorted(set(rows[bad].tolist())), int(bad.sum()), float(top[bad].nan_to_num(math.inf).max())
+
+
+def _packed_tokens_fit_in_step(config: CacheConfig, seq_lens: Tensor, split: Split, k: Tensor, v: Tensor,
+                              q: Tensor | None, sink_logits: Tensor | None) -> None:
+    """``checks.packed_tokens_fit``'s checks of a packed step on a device, with no host read: each token's max
+    |x| against the bound of the dtype it is stored in, q finite, sink logits free of NaN and +inf, one reduction per
+    tensor and one ``torch._assert_async`` (``checks.condition_in_step``: on a GPU a device-side assert before the
+    step's first write; on the CPU ``check_values``' own named error)."""
+    S = config.sink_tokens
+    to_sinks = (token_positions(seq_lens, torch.tensor(split.lens)) < S).to(k.device, non_blocking=True)
+    fits = []
+    for x in (k, v):
+        bound = torch.where(to_sinks, checks.overflow_bound(config.sink_dtype, x.dtype),
+                            checks.window_bound(config, x.dtype))
+        fits.append((checks.peak(x.flatten(1), dim=1).double() < bound).all())
+    if q is not None:
+        fits.append(checks.peak(q) < math.inf)
+    if sink_logits is not None:
+        fits.append(checks.sink_logits_ok(sink_logits))
+
+    def error() -> Exception:
+        cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
+        check_values(config, seq_lens, split, cpu(k), cpu(v), cpu(q), cpu(sink_logits), packed=True)  # raises
+        return RuntimeError("the value checks on the device refused what the host's accept: the two disagree")
+
+    checks.condition_in_step(torch.stack(fits).all(), error)
+
+
 def take_rows(x: Tensor, rows: list[int]) -> Tensor:
     """``x[rows]``: a view when the rows are one contiguous run (one long row beside the decoders), else a copy."""
     first, n = rows[0], len(rows)
@@ -111,7 +209,7 @@ def run(ops, plan: StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor 
     q, k, v: the step's ``[N, heads, D]`` (``plan.packed``) or ``[B, heads, T, D]``; q None: store only. ``read``
     and ``store`` are one storage in a qsinkkv cache; an engine's pool gives two records of the same pools whose
     quantized tables differ where a block completes this step (its new page, while the prefill still reads the old
-    one). ``check``: refuse non-finite K/V or q, or NaN/+inf sink logits (``checks.values``), before anything is
+    one). ``check``: refuse non-finite K/V or q, or NaN/+inf sink logits (``check_values``), before anything is
     written; then ``prepare()`` (a cache takes the step's blocks; an engine zeroes a new sequence's pages); then
     the longer rows prefill over what was stored before (``read``, and their own chunk in full precision), the step
     is stored (``store``), and the one-token rows decode, as each would alone, over what is stored. ``undo_to`` (a
@@ -123,7 +221,7 @@ def run(ops, plan: StepPlan, read: LayerStorage, store: LayerStorage, q: Tensor 
     carries, not B x T_max."""
     groups = split(plan, q, k, v)
     if check:
-        checks.values(read.layout.config, plan.held, None if plan.uniform else groups, k, v, q, sink_logits,
+        check_values(read.layout.config, plan.held, None if plan.uniform else groups, k, v, q, sink_logits,
                       packed=plan.packed, peaks=ops.peaks)
     if prepare is not None:
         prepare()

@@ -679,11 +679,14 @@ def test_the_engine_step_refuses_a_plan_that_is_not_a_plain_decode_step():
     table = 1 + torch.arange(2 * (pl.pinned + 3)).view(2, -1)
     held = torch.tensor([12, 10])
     store = storages(layer, layout, step_tables(pl, table, held, torch.tensor([1, 1])), held)[1]
-    decode_c.EngineDecode(store, plan.packed(layout, held, [1, 1]))  # a plain decode step: served
+    def refuse(q, k, v):
+        raise AssertionError("not reached: nothing runs")
+
+    decode_c.EngineDecode(store, plan.packed(layout, held, [1, 1]), refuse)  # a plain decode step: served
     for step_plan in (plan.packed(layout, held, [1, 2]), plan.packed(layout, torch.tensor([12, 2]), [1, 1]),
                       plan.packed(layout, torch.tensor([12, 10, 9]), [1, 1, 1])):
         with pytest.raises(ValueError, match="serves a plain decode step of the store's 2 rows"):
-            decode_c.EngineDecode(store, step_plan)
+            decode_c.EngineDecode(store, step_plan, refuse)
 
 
 # --- issue 64: NaN stays NaN; every public C entry point checks what it is handed -----------------------------------
@@ -706,7 +709,7 @@ def test_a_nan_softmax_stays_nan_and_nothing_visible_stays_0():
 def test_sink_logits_are_checked_in_float32():
     """Defect 1 (related): float64 sink logits of 1e300 passed the NaN/inf check made in float64, then became +inf
     in float32 (the C decode answered 0). Refused by name, by the C decode and by the value checks alike."""
-    from qsinkkv import checks
+    from qsinkkv import checks, step
     cfg = CacheConfig(sink_tokens=2, recent_tokens=6, bits=8, block_size=2, value_group_size=8)
     layer = random_storage_layer(cfg, 1, 1)
     layer.seq_lens.fill_(5)
@@ -716,7 +719,7 @@ def test_sink_logits_are_checked_in_float32():
     assert not bool(checks.sink_logits_ok(logits)) and bool(checks.sink_logits_ok(torch.tensor([1e30, -math.inf])))
     k = torch.randn(1, 1, 1, D)
     with pytest.raises(ValueError, match="sink_logits must be free"):
-        checks.values(cfg, torch.tensor([5]), None, k, k, torch.randn(1, 2, 1, D), logits)
+        step.check_values(cfg, torch.tensor([5]), None, k, k, torch.randn(1, 2, 1, D), logits)
 
 
 def _storage_snapshot(layer):

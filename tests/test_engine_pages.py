@@ -249,7 +249,7 @@ def test_refused_step_changes_no_page_ring_or_length():
 @pytest.mark.parametrize("bad", ["k", "v", "q", "scale", "out", "sink_logits"])
 def test_a_refused_decode_step_runs_the_named_refusal(bad):
     """A decode step (every row one token) that the fused C path refuses -- non-finite k, v or q, or a block
-    whose scale overflows fp16 -- raises by name (``checks.values``' error, ``quant.scale_overflow``'s), having
+    whose scale overflows fp16 -- raises by name (``step.check_values``' error, ``quant.scale_overflow``'s), having
     written nothing: every page byte (float pages included) and the lengths stay as they were; no other kernel
     ran. An output buffer it cannot write (float64) and NaN learned sink logits are refused by name before anything
     is written."""

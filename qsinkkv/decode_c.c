@@ -29,6 +29,22 @@
 #endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };  /* dtype codes, as decode_c.py passes them */
+
+/* What every public entry point returns: 0, or why it refused, having read or written nothing (a table or an index
+ * is input: an entry past what it names would read or write outside its buffer). decode_c.py's Status holds the
+ * same names and values, compared with this table (qsinkkv_status) when the library is opened. */
+#define QSK_STATUSES(X)                                                                                            \
+    X(OK, 0)              /* done */                                                                               \
+    X(TOO_LARGE, -1)      /* a size beyond this file's fixed arrays (head_dim > MAX_D ...) */                      \
+    X(NO_MEMORY, -2)      /* a scratch allocation failed */                                                        \
+    X(SCALE_OVERFLOW, -3) /* a block's scale or zero overflows the scale dtype */                                  \
+    X(VALUE_REFUSED, -4)  /* q holds NaN/inf, or k, v a value the value checks refuse */                           \
+    X(NO_BLOCK, -5)       /* a table names no block (-1) where a write goes or reads */                            \
+    X(PAST_POOL, -6)      /* a table entry past its pool */                                                        \
+    X(OUT_OF_RANGE, -7)   /* an index outside what it indexes (a token past x, a sequence past the batch ...) */   \
+    X(NO_SINK_PAGE, -8)   /* a row whose sinks are visible (it holds tokens) has no sink page */
+#define QSK_ENUM(name, value) QSK_##name = value,
+enum { QSK_STATUSES(QSK_ENUM) };
 #define MAX_D 512
 #define ALIGN __attribute__((aligned(64)))
 
@@ -790,36 +806,33 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
     }
 }
 
-/* Returns 0, or -1 when a size is beyond this file's fixed arrays, or -2 when out of memory. */
-/* Every table entry a call may read names a block of its pool or -1 (none): else -6, before any pool is touched;
- * -7 where a row whose sinks are visible has no sink page (-1). (A table is input: an entry past its pool would read
- * or write outside it.) */
+/* Every table entry a call may read names a block of its pool or -1 (none): else QSK_PAST_POOL, before any pool is
+ * touched; QSK_NO_SINK_PAGE where a row whose sinks are visible has no sink page (-1). */
 static int tables_fit(const Args *a) {
     const int64_t N = a->S + a->quant_slots * a->bs + a->float_rows;
     for (int64_t b = 0; b < a->B; b++) {
-        if (a->S > 0 && (a->sink_table[b] < -1 || a->sink_table[b] >= a->sink_blocks)) return -6;
+        if (a->S > 0 && (a->sink_table[b] < -1 || a->sink_table[b] >= a->sink_blocks)) return QSK_PAST_POOL;
         /* a row that holds tokens sees its first sink: it must have a sink page (the sinks are read without a skip) */
-        if (a->S > 0 && a->sink_table[b] < 0 && a->bias && a->bias[b * N] == 0.0f) return -7;
+        if (a->S > 0 && a->sink_table[b] < 0 && a->bias && a->bias[b * N] == 0.0f) return QSK_NO_SINK_PAGE;
         for (int64_t j = 0; j < a->float_slots; j++) {
             const int64_t blk = a->float_table[b * a->float_slots + j];
-            if (blk < -1 || blk >= a->float_blocks) return -6;
+            if (blk < -1 || blk >= a->float_blocks) return QSK_PAST_POOL;
         }
         for (int64_t j = 0; j < a->quant_slots; j++) {
             const int64_t blk = a->quant_table[b * a->quant_slots + j];
-            if (blk < -1 || blk >= a->quant_blocks) return -6;
+            if (blk < -1 || blk >= a->quant_blocks) return QSK_PAST_POOL;
         }
     }
-    return 0;
+    return QSK_OK;
 }
 
-/* Returns 0, -1 for sizes beyond the fixed arrays, -2 out of memory, -6 (nothing read) for a table entry past its
- * pool, -7 (nothing read) for a row with visible sinks and no sink page. */
+/* Returns QSK_OK, QSK_TOO_LARGE, QSK_NO_MEMORY, or (nothing read) QSK_PAST_POOL / QSK_NO_SINK_PAGE (tables_fit). */
 int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
-    if (a->D > MAX_D || a->D < 1 || (a->groups && a->groups > MAX_D)) return -1;
+    if (a->D > MAX_D || a->D < 1 || (a->groups && a->groups > MAX_D)) return QSK_TOO_LARGE;
     const int fit = tables_fit(a);
     if (fit) return fit;
     const int64_t N = a->S + a->quant_slots * a->bs + a->float_rows, Ns = (N + 15) / 16 * 16;
-    if (a->fr < 1 || a->float_slots * a->fr < a->float_rows) return -1;
+    if (a->fr < 1 || a->float_slots * a->fr < a->float_rows) return QSK_TOO_LARGE;
     const int64_t Dp = (a->D + LANES - 1) / LANES * LANES, R = a->S > a->bs ? a->S : a->bs, K = a->groups > 1 ? a->groups : 1;
     const size_t rows_bytes = (size_t)(R * Dp) * sizeof(float);
     float *scores = aligned_alloc(64, (size_t)(8 * Ns) * sizeof(float));
@@ -828,12 +841,12 @@ int qsinkkv_decode(const Args *a, int64_t u0, int64_t u1) {
     float *ws = malloc((size_t)(8 * a->bs * K) * sizeof(float));  /* fold_value_scales' weights: 8 heads x bs x K */
     int64_t *idx = malloc((size_t)R * sizeof(int64_t)), *fblk = malloc((size_t)R * sizeof(int64_t));
     const uint8_t **crow = malloc((size_t)R * sizeof(*crow));
-    int code = 0;
+    int code = QSK_OK;
     if (scores && rows && vs && vz && ws && idx && fblk && crow) {
         memset(rows, 0, rows_bytes);
         attend_units(a, u0, u1, scores, rows, vs, vz, ws, idx, fblk, crow);
     } else {
-        code = -2;
+        code = QSK_NO_MEMORY;
     }
     free(scores);
     free(rows);
@@ -908,19 +921,19 @@ typedef struct {
     int64_t x_rows, table_rows, table_cols;  /* tokens in x, the table's rows and columns: each index is checked */
 } Store;
 
-/* Returns 0, -1 when head_dim is beyond the fixed arrays, -7 (nothing written) when an index is outside what it
- * indexes (a token past x, a sequence or ring row past the table), -5 (nothing written) when the table names no
- * block (-1) for a row, -6 (nothing written) when it names one past the pools. */
+/* Returns QSK_OK, QSK_TOO_LARGE, or (nothing written) QSK_OUT_OF_RANGE for an index outside what it indexes (a token
+ * past x, a sequence or ring row past the table), QSK_NO_BLOCK where the table names no block (-1) for a row,
+ * QSK_PAST_POOL where it names one past the pools. */
 int qsinkkv_store_rows(const Store *s) {
-    if (s->D > MAX_D || s->D < 1 || s->rows_per_block < 1) return -1;
+    if (s->D > MAX_D || s->D < 1 || s->rows_per_block < 1) return QSK_TOO_LARGE;
     const int64_t xe = elem_bytes(s->x_dtype), pe = elem_bytes(s->pool_dtype);
     for (int64_t i = 0; i < s->n; i++)  /* every index checked before any table entry is read */
         if (s->at[i] < 0 || s->at[i] >= s->x_rows || s->seqs[i] < 0 || s->seqs[i] >= s->table_rows
-            || s->ring_rows[i] < 0 || s->ring_rows[i] / s->rows_per_block >= s->table_cols) return -7;
+            || s->ring_rows[i] < 0 || s->ring_rows[i] / s->rows_per_block >= s->table_cols) return QSK_OUT_OF_RANGE;
     for (int64_t i = 0; i < s->n; i++) {  /* every row's block checked before anything is written */
         const int64_t blk = s->table[s->seqs[i] * s->table_st0 + (s->ring_rows[i] / s->rows_per_block) * s->table_st1];
-        if (blk < 0) return -5;
-        if (blk >= s->num_blocks) return -6;
+        if (blk < 0) return QSK_NO_BLOCK;
+        if (blk >= s->num_blocks) return QSK_PAST_POOL;
     }
     for (int64_t i = 0; i < s->n; i++) {
         const int64_t r = s->ring_rows[i], rpb = s->rows_per_block;
@@ -934,7 +947,7 @@ int qsinkkv_store_rows(const Store *s) {
                     (int)s->pool_dtype);
         }
     }
-    return 0;
+    return QSK_OK;
 }
 
 int64_t qsinkkv_store_size(void) { return (int64_t)sizeof(Store); }
@@ -1135,23 +1148,24 @@ typedef struct {
 
 /* Gather each completing block (its older rows from the float ring, the step's cast to the window dtype),
  * quantize keys per channel and values per token and channel group, then write codes and scales to the block's
- * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written: returns -5 (nothing
- * written) when the table names no page (-1) for a block, -6 when a table entry is past its pool, -7 when an index
- * is outside what it indexes (a sequence past the batch, a token past x), -3 (and writes nothing) when a scale or zero overflows the scale dtype; -1 for sizes beyond the fixed arrays; -2 out
- * of memory; else 0. */
+ * page (quant_table[seq, block % quant_slots]). All blocks are quantized before any is written. Returns QSK_OK,
+ * QSK_TOO_LARGE, QSK_NO_MEMORY, or (nothing written) QSK_NO_BLOCK where the table names no page (-1) for a block,
+ * QSK_PAST_POOL for a table entry past its pool, QSK_OUT_OF_RANGE for an index outside what it indexes (a sequence
+ * past the batch, a token past x), QSK_SCALE_OVERFLOW where a scale or zero overflows the scale dtype. */
 int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     const int64_t H = a->Hkv, D = a->D, bs = a->bs, F = c->float_rows, nf = a->float_slots, nq = a->quant_slots;
     const int64_t fr = a->fr;
     const int64_t K = a->groups, gsz = K ? D / K : D, Dc = a->bits == 4 ? D / 2 : D, xe = elem_bytes(c->x_dtype);
     const int64_t we = elem_bytes(a->window_dtype), se = elem_bytes(a->scale_dtype);
     const int qmax = (1 << a->bits) - 1, sdt = (int)a->scale_dtype;
-    if (D > MAX_D || D < 1 || K < 1 || nq < 1 || fr < 1) return -1;
-    if (tables_fit(a) == -6) return -6;  /* (its -7 is the decode's: no sink is read here) */
+    if (D > MAX_D || D < 1 || K < 1 || nq < 1 || fr < 1) return QSK_TOO_LARGE;
+    if (tables_fit(a) == QSK_PAST_POOL) return QSK_PAST_POOL;  /* (no sink is read here: a missing sink page is not
+                                                                 * this call's) */
     for (int64_t i = 0; i < c->n; i++) {  /* every index inside what it indexes: the sequence, and the tokens of x the
                                            * gather below reads (rows t0.. of the block: x[at + t - fresh]) */
         const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
         const int64_t t0 = F ? (fresh > 0 ? fresh : 0) : 0, first = c->at[i] + t0 - fresh, last = c->at[i] + bs - 1 - fresh;
-        if (b < 0 || b >= a->B || blk < 0 || (t0 < bs && (first < 0 || last >= c->x_rows))) return -7;
+        if (b < 0 || b >= a->B || blk < 0 || (t0 < bs && (first < 0 || last >= c->x_rows))) return QSK_OUT_OF_RANGE;
     }
     const int64_t per = H * bs * D;  /* one block, all heads: [H, bs, D] */
     float *x = malloc((size_t)(2 * per) * sizeof(float));
@@ -1159,12 +1173,12 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
     float *ks = malloc((size_t)(c->n * H * D * 2) * sizeof(float));       /* key scale, zero [n, H, D] */
     float *vsz = malloc((size_t)(c->n * H * bs * K * 2) * sizeof(float));  /* value scale, zero [n, H, bs, K] */
     float *groups = malloc((size_t)(4 * bs * K) * sizeof(float));     /* a head's value groups: lo, hi, div, inv */
-    int code = x && codes && ks && vsz && groups ? 0 : -2;
-    for (int64_t i = 0; i < c->n && !code; i++) {  /* a page or float block the tables do not give: -5 */
+    int code = x && codes && ks && vsz && groups ? QSK_OK : QSK_NO_MEMORY;
+    for (int64_t i = 0; i < c->n && !code; i++) {  /* a page or float block the tables do not give */
         const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
-        if (a->quant_table[b * nq + blk % nq] < 0) code = -5;
+        if (a->quant_table[b * nq + blk % nq] < 0) code = QSK_NO_BLOCK;
         for (int64_t t = 0; t < fresh && F && !code; t++)
-            if (a->float_table[b * nf + ((blk * bs + t) % F) / fr] < 0) code = -5;
+            if (a->float_table[b * nf + ((blk * bs + t) % F) / fr] < 0) code = QSK_NO_BLOCK;
     }
     for (int64_t i = 0; i < c->n && !code; i++) {
         const int64_t b = c->seqs[i], blk = c->blocks[i], fresh = c->first_new[i] - blk * bs;
@@ -1194,7 +1208,7 @@ int qsinkkv_complete_blocks(const Args *a, const Complete *c) {
             code = quantize_keys(x + h * bs * D, bs, D, qmax, sdt, kscale + h * D, kzero + h * D, kc + h * bs * D)
                    || quantize_values(x + per + h * bs * D, bs * K, gsz, qmax, sdt, vscale + h * bs * K,
                                       vzero + h * bs * K, vc + h * bs * D, groups, groups + bs * K,
-                                      groups + 2 * bs * K, groups + 3 * bs * K) ? -3 : 0;
+                                      groups + 2 * bs * K, groups + 3 * bs * K) ? QSK_SCALE_OVERFLOW : QSK_OK;
         }
     }
     for (int64_t i = 0; i < c->n && !code; i++) {  /* every block quantized: write them */
@@ -1306,20 +1320,30 @@ const char *qsinkkv_field(int64_t which, int64_t i, int64_t *offset_size_kind) {
     return tables[which][i].name;
 }
 
+/* Status i (0, 1, ...): its name, with *value its value; NULL past the last (decode_c.py compares the table with
+ * its Status when it opens the library). */
+const char *qsinkkv_status(int64_t i, int64_t *value) {
+#define QSK_ROW(name, v) {#name, v},
+    static const struct { const char *name; int64_t value; } table[] = {QSK_STATUSES(QSK_ROW)};
+    if (i < 0 || i >= (int64_t)(sizeof table / sizeof table[0])) return NULL;
+    *value = table[i].value;
+    return table[i].name;
+}
+
 /* ---- a whole decode step of one layer in an engine (every row one new token, past its sinks) ---- */
 
 /* The checks (checks.values: q, k, v) and the write (the blocks that complete, then the float rows) of a decode
- * step, each only after the one before succeeded: returns -4 (nothing written) when q (a->q) holds NaN/inf or
- * k, v a value |x| >= kv_bound, -3 (nothing written) when a block's scale overflows, else 0. Row b's new token
+ * step, each only after the one before succeeded: returns (nothing written) QSK_VALUE_REFUSED when q (a->q) holds
+ * NaN/inf or k, v a value |x| >= kv_bound, qsinkkv_complete_blocks' and qsinkkv_store_rows' refusals, else QSK_OK. Row b's new token
  * is token b of k, v (`floats`' x_k, x_v; `complete` reads the same). */
 int qsinkkv_engine_write(const Args *a, const Complete *complete, const Store *floats, float kv_bound) {
     const int64_t B = a->B, Hkv = a->Hkv, D = a->D;
     /* (each a max |x| on the values' bits, qsinkkv_peak: NaN compares below nothing) */
-    if (!(qsinkkv_peak(a->q, a->q_dtype, B, Hkv * a->G * D, a->q_stride) < INFINITY)) return -4;
+    if (!(qsinkkv_peak(a->q, a->q_dtype, B, Hkv * a->G * D, a->q_stride) < INFINITY)) return QSK_VALUE_REFUSED;
     for (int kv = 0; kv < 2; kv++)
         if (!(qsinkkv_peak(kv ? floats->x_v : floats->x_k, floats->x_dtype, B, Hkv * D, floats->x_stride) < kv_bound))
-            return -4;
-    int code = complete->n ? qsinkkv_complete_blocks(a, complete) : 0;
+            return QSK_VALUE_REFUSED;
+    int code = complete->n ? qsinkkv_complete_blocks(a, complete) : QSK_OK;
     if (code) return code;
-    return floats->n ? qsinkkv_store_rows(floats) : 0;
+    return floats->n ? qsinkkv_store_rows(floats) : QSK_OK;
 }

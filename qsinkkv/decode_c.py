@@ -15,6 +15,7 @@ turns it off.
 from __future__ import annotations
 
 import ctypes
+import enum
 import hashlib
 import math
 import os
@@ -81,6 +82,20 @@ _POOLS = ("sink_k", "sink_v", "float_k", "float_v", "key_scale", "key_zero", "va
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
+
+
+class Status(enum.IntEnum):
+    """What every C entry point returns (``decode_c.c``'s ``QSK_STATUSES``, the same names and values: compared
+    when the library is opened). Any but ``OK``: the call read or wrote nothing."""
+    OK = 0
+    TOO_LARGE = -1       # a size beyond the C code's fixed arrays
+    NO_MEMORY = -2       # a scratch allocation failed
+    SCALE_OVERFLOW = -3  # a block's scale or zero overflows the scale dtype
+    VALUE_REFUSED = -4   # q holds NaN/inf, or k, v a value the value checks refuse
+    NO_BLOCK = -5        # a table names no block (-1) where a write goes or reads
+    PAST_POOL = -6       # a table entry past its pool
+    OUT_OF_RANGE = -7    # an index outside what it indexes
+    NO_SINK_PAGE = -8    # a row whose sinks are visible has no sink page
 
 
 class NoCompiler(RuntimeError):
@@ -173,7 +188,20 @@ def _open(lib: Path) -> ctypes.CDLL:
         if _c_fields(dll, which) != _py_fields(struct):
             raise _StaleLibrary(f"{lib}: decode_c.c's {struct.__name__[1:]} and decode_c.py's {struct.__name__} "
                                 f"disagree: C {_c_fields(dll, which)}, Python {_py_fields(struct)}")
+    dll.qsinkkv_status.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    dll.qsinkkv_status.restype = ctypes.c_char_p
+    if _c_statuses(dll) != {s.name: s.value for s in Status}:
+        raise _StaleLibrary(f"{lib}: decode_c.c's return codes and decode_c.py's Status disagree: C "
+                            f"{_c_statuses(dll)}, Python {({s.name: s.value for s in Status})}")
     return dll
+
+
+def _c_statuses(dll: ctypes.CDLL) -> dict[str, int]:
+    """The C library's return codes, name -> value (``qsinkkv_status``)."""
+    out, value = {}, ctypes.c_int64()
+    while (name := dll.qsinkkv_status(len(out), ctypes.byref(value))) is not None:
+        out[name.decode()] = value.value
+    return out
 
 
 def _c_fields(dll: ctypes.CDLL, which: int) -> list[tuple[str, int, int, str]]:
@@ -383,13 +411,13 @@ def _decode_units(args: _Args, units: int, per_unit: int, storage: LayerStorage 
     else:
         codes = [_lib.qsinkkv_decode(ctypes.byref(args), 0, units)]
     if any(codes):
-        if -6 in codes and storage is not None:  # a table entry past its pool: name it
+        if Status.PAST_POOL in codes and storage is not None:  # a table entry past its pool: name it
             _check_tables(storage)
-        if -7 in codes:  # a row whose sinks are visible (it holds a token) has no sink page
+        if Status.NO_SINK_PAGE in codes:  # a row whose sinks are visible (it holds a token) has no sink page
             rows = [] if storage is None else ((storage.sink_table.cpu() < 0) & (storage.seq_lens > 0)).nonzero()
             raise ValueError(f"sink_table names no sink page (-1) for rows {[int(r) for r in rows]}, which hold "
                              f"tokens: every sequence's sinks are read from its page (nothing was read)")
-        raise RuntimeError(f"the C decode failed (code {min(codes)})")
+        raise RuntimeError(f"the C decode failed ({Status(min(codes)).name})")
 
 
 def _args(storage: LayerStorage, keep: list, pools: tuple | None = None, **call) -> _Args:
@@ -412,7 +440,8 @@ def _args(storage: LayerStorage, keep: list, pools: tuple | None = None, **call)
 
 def _check_tables(storage: LayerStorage) -> None:
     """Every table of ``storage`` names blocks of its pools or -1, else a ValueError naming the table: the error of a
-    call the C code refused (-6: its own check of every entry it reads, at every call, before any pool is touched)."""
+    call the C code refused (``Status.PAST_POOL``: its own check of every entry it reads, at every call, before any
+    pool is touched)."""
     checks.table("sink_table", storage.sink_table, storage.sink_k.shape[1], "its pool (sink blocks)")
     checks.table("float_table", storage.float_table, storage.float_k.shape[1], "its pool (float blocks)")
     checks.table("quant_table", storage.quant_table, storage.key_codes.shape[1], "its pool (quant blocks)")
@@ -591,7 +620,7 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
     index = [t.contiguous() for t in (at, seqs, ring_rows)]
     s = _store_struct(pool_k, pool_v, table, k, v, index, rows_per_block, keep)
     code = _lib.qsinkkv_store_rows(ctypes.byref(s))  # (it checks each index and table entry first)
-    if code == -7:
+    if code == Status.OUT_OF_RANGE:
         raise _index_error((("at", index[0], s.x_rows, "k's tokens"), ("seqs", index[1], s.table_rows, "table's rows"),
                             ("ring_rows // rows_per_block", index[2] // rows_per_block, s.table_cols,
                              "table's columns")), "the C row write refused an index")
@@ -600,8 +629,9 @@ def store_rows_c(pool_k: Tensor, pool_v: Tensor, table: Tensor, k: Tensor, v: Te
 
 
 def _index_error(entries: tuple, otherwise: str) -> ValueError:
-    """The error of a C write that refused an index (-7): the first of ``entries`` ``(name, index tensor, bound,
-    what it indexes)`` with an entry outside ``[0, bound)``, by name, else ``otherwise``."""
+    """The error of a C write that refused an index (``Status.OUT_OF_RANGE``): the first of ``entries``
+    ``(name, index tensor, bound, what it indexes)`` with an entry outside ``[0, bound)``, by name, else
+    ``otherwise``."""
     for name, t, bound, of in entries:
         bad = t[(t < 0) | (t >= bound)]
         if bad.numel():
@@ -616,10 +646,10 @@ def _store_error(code: int, table: Tensor, seqs: Tensor, ring_rows: Tensor, rows
     table2 = table if table.dim() == 2 else table.unsqueeze(1)
     used = table2[seqs.to(table.device), ring_rows.to(table.device) // rows_per_block].cpu()
     bad = sorted(set(used[(used < 0) | (used >= num_blocks)].tolist()))  # (-1, no block, as the others refuse it)
-    if code in (-5, -6) and bad:  # (write.check_rows' words: every writer refuses a table alike)
+    if code in (Status.NO_BLOCK, Status.PAST_POOL) and bad:  # (write.check_rows' words: every writer refuses alike)
         return ValueError(f"table must name blocks of pool_k and pool_v (the rows this write stores) in "
                           f"[0, {num_blocks}); got {bad}: nothing was written")
-    return RuntimeError(f"{what} failed (code {code})")
+    return RuntimeError(f"{what} failed ({Status(code).name})")
 
 
 def _complete_struct(storage: LayerStorage, k: Tensor, v: Tensor, index: list, keep: list) -> _Complete:
@@ -670,20 +700,20 @@ def complete_blocks_c(storage: LayerStorage, k: Tensor, v: Tensor, at: Tensor, s
     a = _args(storage, keep, pools, B=storage.batch_size, G=1)
     c = _complete_struct(storage, k, v, [t.contiguous() for t in (at, seqs, blocks, first_new)], keep)
     code = _lib.qsinkkv_complete_blocks(ctypes.byref(a), ctypes.byref(c))
-    if code == -6:  # a table entry past its pool (nothing written): name it
+    if code == Status.PAST_POOL:  # (nothing written): name the entry
         _check_tables(storage)
-    if code == -3:
+    if code == Status.SCALE_OVERFLOW:
         raise write.overflow_error(storage, k, v, at, seqs, blocks, first_new)
-    if code == -5:  # a table naming no block (-1) where the write goes or reads: the words every writer uses
+    if code == Status.NO_BLOCK:  # a table naming no block (-1) where the write goes or reads: every writer's words
         write.check_blocks(storage, seqs, blocks, first_new)
         raise ValueError("a table names no block (-1) for a block this write completes: nothing was written")
-    if code == -7:
+    if code == Status.OUT_OF_RANGE:
         raise _index_error((("seqs", seqs, storage.batch_size, "the storage's sequences"),
                             ("blocks", blocks, math.inf, "recent block indices")),
                            f"at must name the tokens of k (N={k.shape[0]}) each completing block reads, got at "
                            f"{at.tolist()[:8]} for blocks {blocks.tolist()[:8]}")
     if code:
-        raise RuntimeError(f"the C block completion failed (code {code})")
+        raise RuntimeError(f"the C block completion failed ({Status(code).name})")
 
 
 WRITER_C = write.Writer("c", complete_blocks_c, store_rows_c)
@@ -790,12 +820,12 @@ class EngineDecode:
         _point(c, x_k=x_k, x_v=x_v)
         _point(st, x_k=x_k, x_v=x_v, pool_k=pointers["float_k"], pool_v=pointers["float_v"])
         code = _lib.qsinkkv_engine_write(ctypes.byref(a), ctypes.byref(c), ctypes.byref(st), bound)
-        if code == -4:  # a value the checks refuse: their own error names it
+        if code == Status.VALUE_REFUSED:  # the value checks' own error names it
             self.refuse(q, k, v)
             raise RuntimeError("the C engine step refused a value that the value checks accept: the two disagree")
-        if code == -3:
+        if code == Status.SCALE_OVERFLOW:
             raise write.overflow_error(replace(self.store, **layer.pools), k, v, *self.index[:4])
         if code:
-            raise RuntimeError(f"the C engine step failed (code {code})")
+            raise RuntimeError(f"the C engine step failed ({Status(code).name})")
         _decode_units(a, a.Hkv * a.B, self.layout.num_slots * a.D)
         return out

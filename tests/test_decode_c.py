@@ -415,6 +415,25 @@ def test_every_field_of_the_c_structs_is_checked_at_load(monkeypatch, struct, ch
         decode_c._open(lib)
 
 
+@pytest.mark.parametrize("change", ["renumbered", "missing", "extra"])
+def test_the_return_codes_are_one_table_in_c_and_python(monkeypatch, change):
+    """``decode_c.Status`` is compared, name by name and value by value, with the library's own table
+    (``qsinkkv_status``) when it is opened: a code renumbered, missing or added on one side refuses the library."""
+    import enum
+    lib = decode_c._lib._name if decode_c._lib is not None else decode_c._load()._name
+    decode_c._open(lib)  # as it stands: the same table
+    members = {s.name: s.value for s in decode_c.Status}
+    if change == "renumbered":
+        members["PAST_POOL"], members["OUT_OF_RANGE"] = members["OUT_OF_RANGE"], members["PAST_POOL"]
+    elif change == "missing":
+        del members["NO_SINK_PAGE"]
+    else:
+        members["SOMETHING_NEW"] = -99
+    monkeypatch.setattr(decode_c, "Status", enum.IntEnum("Status", members))
+    with pytest.raises(decode_c._StaleLibrary, match="return codes and decode_c.py's Status disagree"):
+        decode_c._open(lib)
+
+
 @pytest.mark.parametrize("cc", ["cc -O2", "env cc"])
 def test_cc_with_arguments_is_split_as_a_shell_would(monkeypatch, tmp_path, cc):
     """Issue 24.9: CC='gcc -O2' (or 'ccache gcc') was taken as one program name."""

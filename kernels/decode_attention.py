@@ -47,7 +47,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #   "dequantize" (default): codes * scale + zero per element into fp32 tiles (``_block_dequantize``).
 #   "folded": values read straight from the codes, their per-token scale folded into the probabilities
 #             (``_block_folded``): fewer instructions per KV byte on sm_90a, at every head_dim and bit width
-#             compiled (benchmarks/kernel_sass.py, results in benchmarks/results/cpu-2026-12-01g/kernel_sass.md);
+#             compiled (benchmarks/kernel_sass.py; docs/benchmarks.md, "Offline codegen check");
 #             validated in the interpreter, not yet on a GPU.
 #   "fp16": keys and values dequantized in fp16 (packed fp16 multiply-adds) into fp16 tensor-core dots with fp32
 #           accumulation (``_block_fp16``): the fewest instructions per KV byte on sm_90a (int4 under the yardstick's
@@ -60,9 +60,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # blocks as "dequantize" does.
 VARIANTS = ("dequantize", "folded", "fp16")
 # Pipeline stages tried in turn (launch.py): Triton's default, then fewer where a large block x
-# head_dim overflows shared memory (head_dim 256, block 128, int8: 232 KiB at 3 stages, 168 KiB at 1:
-# ``benchmarks/kernel_sass.py --dims 256 --bits 8 --block 128 --stages 3`` and ``--stages 1``, results in
-# benchmarks/results/cpu-2026-12-01g/kernel_sass_d256.md).
+# head_dim overflows shared memory (head_dim 256, block 128, int8 at 3 stages: ``benchmarks/kernel_sass.py --dims
+# 256 --bits 8 --block 128 --stages 3``; docs/benchmarks.md, "Offline codegen check").
 STAGES = (3, 2, 1)
 
 
@@ -70,12 +69,9 @@ def decode_warps(block_size: int, variant: str = "dequantize") -> int:
     """Warps per program of ``_decode_kernel`` for the body that runs (``decode_constexprs(...)["VARIANT"]``; the
     launch and benchmarks/kernel_sass.py take it from here). Each warp repeats a block's fixed work (loop control,
     the block's addresses and stats, the softmax on the G query rows), which weighs more the fewer bytes a block
-    holds, so small blocks get fewer warps, as many as fit the registers without spills. The yardstick, D 128,
-    warp-instructions per KV byte of the main loop, int8 / int4, no spills but where said (``kernel_sass.py``,
-    2026-12-06, benchmarks/results/cpu-2026-12-06c-fp16-decode/): "dequantize" over an engine's pages, block 16:
-    4 warps 0.52 / 0.98, 1 warp 0.24 / 0.49; block 32: 2 warps 0.26 / 0.56 (24 spilled bytes at int4), 1 warp
-    spills; block 64 (the cache's own pools): 4 warps 0.27 / 0.61, 2 spill. "fp16", block 16, 1 warp 0.18 / 0.30;
-    block 32, 1 warp 0.16 / 0.26, 2 warps 0.22 / 0.38; block 64, 2 warps 0.18 / 0.32, 4 warps 0.21 / 0.38."""
+    holds, so small blocks get fewer warps, as many as fit the registers without spills: the counts per block size
+    below are the fewest warp-instructions per KV byte of the main loop without spills, by ``kernel_sass.py``'s
+    offline count (docs/benchmarks.md, "Decisions in the code")."""
     if variant == "fp16":
         return max(1, min(4, block_size // 32))
     return 1 if block_size <= 16 else 2 if block_size <= 32 else 4

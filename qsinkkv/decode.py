@@ -13,8 +13,8 @@ keys, then the values), and attends in three large ops (scores, softmax, values)
 query heads of a KV head as G rows over its keys and the visible set (built once per model
 step) as an additive mask. On the CPU a handful of large ops beat folding the scales into the
 products: the folded path runs one small batched product per window block plus a few small ops
-each, and their per-call overhead outweighs the work (``benchmarks/decode_attention.py``: the folded
-path in ``benchmarks/results/cpu-2026-12-01d/decode_attention_before.md``, this one beside it).
+each, and their per-call overhead outweighs the work (``benchmarks/decode_attention.py``; docs/benchmarks.md,
+"Decode attention on the CPU").
 Not PyTorch's fused SDPA: its CPU kernel gives a row of a batch a result a rounding apart from
 the same row alone, and these products are bit-identical either way.
 Absolute contract only: under ``cache_index`` every key is rotated by its own index; the cache

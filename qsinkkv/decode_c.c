@@ -280,7 +280,7 @@ static inline __attribute__((always_inline)) vr code_chunk(const uint8_t *row, i
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
     if (!half) return (vr)_mm512_cvtepi32_ps(x);
     /* a nibble's float from a 16-entry table (the same floats): the permute reads an index's low 4 bits alone, so
-     * the low nibbles take no mask, and no conversion (2-3% of the int4 decode at D 64: decode_c_versions.py) */
+     * the low nibbles take no mask, and no conversion */
     const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return (vr)_mm512_permutexvar_ps(high ? _mm512_srli_epi32(x, 4) : x, nibbles);
 #elif defined(__AVX2__)
@@ -336,10 +336,9 @@ static inline __attribute__((always_inline)) void score_code_row(const int64_t N
  * chains (not one chain of Vn multiply-adds per row, whose latency held the loop), reduced eight at a time
  * (a transposing tree: pair_rows, quad_rows, eight_rows; hsum8 without AVX-512). With `code_rows` the rows are
  * codes widened in registers (code_chunk), and with AVX-512 a pass takes them row by row, reducing a pair of rows
- * as it finishes: all eight rows' sums beside the query's chunks outnumbered the registers, and the compiler kept
- * the sums in memory (the C decode 0.87-0.89x its time at D 64, int8 and int4, against the commit before:
- * benchmarks/decode_c_versions.py). Float rows go a chunk at a time over the eight, each chunk of the query loaded
- * once for them. Each row's sum runs over the chunks in order either way: the same bits */
+ * as it finishes: all eight rows' sums beside the query's chunks outnumber the registers, and the compiler would
+ * keep the sums in memory (docs/benchmarks.md, "Decisions in the code"). Float rows go a chunk at a time over the
+ * eight, each chunk of the query loaded once for them. Each row's sum runs over the chunks in order either way: the same bits */
 static inline __attribute__((always_inline)) void score8_ng(const int64_t NG, const float *restrict rows, int64_t Dp,
                                                             float (*restrict qx)[MAX_D], const float *qz, float *sc,
                                                             int64_t Ns, int64_t Vn, const uint8_t *const *code_rows,
@@ -656,8 +655,8 @@ static void attend_units(const Args *a, int64_t u0, int64_t u1, float *scores, f
     const int in_registers = groups && gsz % LANES == 0;
     /* codes of whole vectors are widened in registers as they are used (code_chunk); others unpacked into rows. int4
      * only where one pass covers the query heads: each pass widens the codes again, and a nibble takes a mask or a
-     * shift more than a byte (with 4 heads a KV head, D 128, it measured 1.0-1.1x the unpacked rows' time; with 3,
-     * D 64, 0.92x: benchmarks/decode_c_versions.py) */
+     * shift more than a byte, so with more heads than a pass holds unpacking once is as fast (docs/benchmarks.md,
+     * "Decisions in the code") */
     const int bits = (int)a->bits;
     const int codes_in_registers = bits == 8 ? D % LANES == 0
                                              : bits == 4 && D % (2 * LANES) == 0 && G <= SCORE_HEADS && G <= VALUE_HEADS;

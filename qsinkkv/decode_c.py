@@ -721,10 +721,9 @@ WRITER_C = write.Writer("c", complete_blocks_c, store_rows_c)
 
 def peaks_c(tensors: list[Tensor]) -> list[float]:
     """``checks.peaks_torch`` in C (``qsinkkv_peak``): max |x| of each CPU tensor of float32, bfloat16 or float16, exact
-    (one of its values, as a float), NaN where any value is NaN; one pass over integers, no temporary (an engine's
-    fused qkv rows of ``benchmarks/vllm_prefill_layer.py``'s step: ~0.33 ms a layer call against ~0.77 for
-    ``torch.aminmax``, on the Intel host of 2026-12-07). Reads a tensor whose rows
-    (dims 1..) are dense as it lies, rows any stride apart (a column slice of the fused qkv); another through a
+    (one of its values, as a float), NaN where any value is NaN; one pass over the values' bits as integers, no
+    temporary, where ``torch.aminmax`` converts (docs/benchmarks.md, "Decisions in the code"). Reads a tensor whose
+    rows (dims 1..) are dense as it lies, rows any stride apart (a column slice of the fused qkv); another through a
     contiguous copy."""
     _require_lib()
     trace.ran("value_checks", "c")
@@ -770,9 +769,9 @@ class EngineDecode:
                                        for name in ("sink_table", "float_table", "quant_table")})
         self.layout = layout
         # the first layer's C structs, the template of the later layers whose tensors lie the same way (every layer
-        # of an engine has pools of one shape: building three structs per layer cost ~30 us): their sizes, strides,
-        # dtypes and pointers into this step's own tensors; those into a layer's pools, q, k, v and out are set at
-        # each call (_point)
+        # of an engine has pools of one shape, so the structs are built once a step, not once a layer): their sizes,
+        # strides, dtypes and pointers into this step's own tensors; those into a layer's pools, q, k, v and out are
+        # set at each call (_point)
         self._template = None
 
     def run(self, layer, q: Tensor, k: Tensor, v: Tensor, scale: float | None,

@@ -13,10 +13,9 @@ layers. The qsinkkv pages are written by the step's write as for any row: this k
 attention.
 
 Against ``prefill_causal_packed`` (SDPA in float32, row by row) it differs by the model dtype's rounding (bf16: the
-kernel's products, as stock's, and the held tokens' values); with it the plugin's prefill step in
-``benchmarks/vllm_profile.py`` went from 14,864 to 7,065 us a layer call (int4; stock 4,157;
-``benchmarks/results/cpu-2026-12-05b-vllm-load/``). A row's output does not depend on the other rows of its step
-(tested bit for bit)."""
+kernel's products, as stock's, and the held tokens' values); it is the faster of the two on vLLM's CPU build
+(``benchmarks/vllm_profile.py``; docs/benchmarks.md, "vLLM with the plugin"). A row's output does not depend on the
+other rows of its step (tested bit for bit)."""
 from __future__ import annotations
 
 import torch

@@ -113,8 +113,8 @@ class QuantImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         H, D = self.num_heads, self.head_size
         if output.shape == (n, H, D) and query.shape == (n, H, D) and key.shape[0] == n and output.is_contiguous():
-            # (vLLM's own call: [tokens, heads, head_size] views, no padding rows; each view op skipped here is
-            # ~10 us a layer call inside the engine, where the model's matmuls leave it cold in the caches)
+            # (vLLM's own call: [tokens, heads, head_size] views, no padding rows: taken as they lie, since every
+            # view op costs a layer call its Python overhead, with the caches cold after the model's matmuls)
             q, k, v, into = query, key, value, output
         else:
             q, k, v = query[:n].view(n, H, D), key[:n], value[:n]

@@ -89,7 +89,7 @@ def test_gpu_check_tiny(tmp_path):
     body and "fp16"), prefill.py, e2e_decode.py and decode_pages.py (the plugin's engine path) included."""
     pytest.importorskip("transformers")
     # the per-step caps are the GPU session's: tiny mode runs no step under `timeout` (on a loaded 2-core machine a
-    # step ran past its 25 s cap and failed the suite, issue 64): a `timeout` that always times out must not matter
+    # step ran past its 25 s cap and failed the suite): a `timeout` that always times out must not matter
     stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "timeout").write_text("#!/bin/sh\nexit 124\n")

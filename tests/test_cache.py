@@ -40,7 +40,7 @@ def test_bad_construction(kwargs, msg):
         SinkQuantCache(cfg, **args)
 
 
-# --- a refused step in layer l rolls back the layers that already took it (issue 9, defect 2) ----------------------
+# --- a refused step in layer l rolls back the layers that already took it ----------------------
 
 @settings(max_examples=30, deadline=None)
 @given(bits=st.sampled_from([16, 8, 4]), S=st.integers(0, 3), W=st.integers(1, 12), bs=st.integers(1, 4),
@@ -281,7 +281,7 @@ def test_float64_ragged_rows_equal_each_row_alone():
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_packed_step_on_a_dense_cache_equals_padded_and_each_row_alone(bits):
-    """Issue 24.3: ``attend_packed`` runs its rows by group (one-token rows decode, longer rows prefill padded
+    """``attend_packed`` runs its rows by group (one-token rows decode, longer rows prefill padded
     to their own longest), never padded to ``[B, T_max]``; the answer is the padded step's, bit for bit, and
     each row's is the row's alone. The schedule crosses the sinks, fills and wraps the window, idles rows."""
     cfg = CacheConfig(sink_tokens=3, recent_tokens=8, bits=bits, block_size=2, value_group_size=4)

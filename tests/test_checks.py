@@ -1,6 +1,6 @@
 """Input checks (qsinkkv/checks.py): bad input gets a clear error that names the argument, and the cache exactly
 as it was; values are checked in the dtype they are stored in, and on the real tokens only (padding is never
-stored). Several pin defects of the adversarial probe of issue 9."""
+stored). Several pin defects an adversarial probe found."""
 from functools import partial
 
 import helpers
@@ -95,7 +95,7 @@ def test_bad_sink_logits(cache):
     assert_unchanged(cache, snap)
 
 
-# --- scale, sink_logits and q are checked before the token is stored (issue 9, defects 3, 4) -----------------------
+# --- scale, sink_logits and q are checked before the token is stored -----------------------
 
 def nan_at(shape, value):
     x = torch.randn(*shape)
@@ -199,7 +199,7 @@ def test_overflow_boundary_is_exact(window_dtype, at):
     assert_unchanged(cache, snap)
 
 
-# --- a quantized window refuses, when it arrives, a value its block could not quantize (issue 41, defect 4) ------
+# --- a quantized window refuses, when it arrives, a value its block could not quantize ------
 
 @pytest.mark.parametrize("backend", ["torch", "c"])
 @pytest.mark.parametrize("how", ["append", "attend_packed", "paged"])
@@ -321,7 +321,7 @@ BAD_OFFSETS = [None, "0,1", 1.5, torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0,
 
 @pytest.mark.parametrize("qsl", BAD_OFFSETS, ids=lambda x: type(x).__name__ + str(getattr(x, "dtype", "")))
 def test_bad_query_start_loc_is_named_and_changes_nothing(qsl):
-    """Issue 24.6: None, a str, a complex or a meta tensor raised RuntimeError/TypeError naming nothing."""
+    """None, a str, a complex or a meta tensor raised RuntimeError/TypeError naming nothing."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
     pool = PagedCache(cfg, 1, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=4, dtype=torch.float32)
     pool.admit(), pool.admit()

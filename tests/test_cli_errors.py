@@ -197,7 +197,7 @@ def test_memory_of_with_a_capacity_is_refused(tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
-# --- issue 64, items 5 and 9: missing modules, and messages that name the flag to change ---------------------------
+# --- missing modules, and messages that name the flag to change ---------------------------
 
 @pytest.mark.parametrize("argv,module,message", [
     (["ppl"], "matplotlib", "matplotlib (the plots)"),

@@ -370,7 +370,7 @@ def test_backend_choice_and_refusals(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path):
-    """Issue 24.4: an empty or truncated cached .so made available() say "file too short" for good."""
+    """An empty or truncated cached .so made available() say "file too short" for good."""
     # each load in its own process, as in life (truncating a library this process has mapped would crash it)
     env = dict(os.environ, QSINKKV_CACHE=str(tmp_path))
     load = [sys.executable, "-c", "from qsinkkv import decode_c; print(decode_c.available())"]
@@ -436,7 +436,7 @@ def test_the_return_codes_are_one_table_in_c_and_python(monkeypatch, change):
 
 @pytest.mark.parametrize("cc", ["cc -O2", "env cc"])
 def test_cc_with_arguments_is_split_as_a_shell_would(monkeypatch, tmp_path, cc):
-    """Issue 24.9: CC='gcc -O2' (or 'ccache gcc') was taken as one program name."""
+    """CC='gcc -O2' (or 'ccache gcc') was taken as one program name."""
     monkeypatch.setenv("QSINKKV_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", cc)
     assert decode_c._load().qsinkkv_args_size() > 0
@@ -535,7 +535,7 @@ def test_blocks_decode_prepared_once_serves_every_layer():
         step.run(q[:2], k_pool, v_pool, scale=0.2)
 
 
-# --- a table is input: every entry point checks it against its pool (issue 41, defect 2) --------------------------
+# --- a table is input: every entry point checks it against its pool --------------------------
 
 def test_tables_past_the_pool_are_refused_by_name_before_any_access():
     """The probe's tables: ``decode_blocks_c`` with a block far past its 4 blocks (SEGV before), float64 pools (a bare
@@ -602,7 +602,7 @@ def test_tables_made_under_inference_mode_are_checked_too():
             decode_c.decode_attention_c(q, inferred)
 
 
-# --- a kernel refuses what it cannot serve, by name, and never hands the call on (issue 43) -------------------------
+# --- a kernel refuses what it cannot serve, by name, and never hands the call on -------------------------
 
 def test_the_c_block_completion_refuses_pools_it_would_write_through_a_copy():
     """A quantized pool whose blocks are not contiguous (a transposed view): the C code would write a copy, and the
@@ -708,7 +708,7 @@ def test_the_engine_step_refuses_a_plan_that_is_not_a_plain_decode_step():
             decode_c.EngineDecode(store, step_plan, refuse)
 
 
-# --- issue 64: NaN stays NaN; every public C entry point checks what it is handed -----------------------------------
+# --- NaN stays NaN; every public C entry point checks what it is handed -----------------------------------
 
 def test_a_nan_softmax_stays_nan_and_nothing_visible_stays_0():
     """Defect 1: a float32 window key of 2e38 (accepted: below float32's bound) makes a score overflow; the softmax

@@ -1,5 +1,5 @@
 """qsinkkv-eval frontier / tune (eval/frontier.py, eval/footprint.py), the bytes in the tables, and the cache_index
-replay (issue 13).
+replay.
 
 On the real default model with a tiny grid and a short text (the default grid and text are what
 the README's tables come from)."""

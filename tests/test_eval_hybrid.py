@@ -1,4 +1,4 @@
-"""qsinkkv-eval on models with trained window layers (issue 65; issue 64, item 5): every layer replays as the model was
+"""qsinkkv-eval on models with trained window layers: every layer replays as the model was
 trained, the bytes count each layer type, and what cannot be replayed exactly is refused before the weights load.
 
 The models are tiny random-weight ones (``test_hf_hybrid.py``'s architecture matrix); the command line runs on a tiny
@@ -56,7 +56,7 @@ def family(request):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["tiled", "fused"])
 def test_the_full_cache_replay_is_the_model_itself(family, fused):
-    """Issue 64, item 5: the replay ran every layer as full attention (Gemma 3 270M: the full-cache row read
+    """The replay ran every layer as full attention (Gemma 3 270M: the full-cache row read
     perplexity 108.6 where the model reads 45.4). Now each layer type as trained, learned sinks included: the
     bf16 reference with every token visible is the model with a bf16 cache, to float rounding."""
     name, model, stock = family

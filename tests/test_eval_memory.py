@@ -1,4 +1,4 @@
-"""qsinkkv-eval stream --memory-of (issue 27): every scheme at the largest capacity whose allocated bytes
+"""qsinkkv-eval stream --memory-of: every scheme at the largest capacity whose allocated bytes
 fit a budget, compared over the same positions; bad budgets refused before any work."""
 import json
 import types
@@ -129,7 +129,7 @@ def test_bad_memory_of_exits_2_naming_the_flag(value, message, tmp_path, capsys,
 @pytest.mark.parametrize("argv,message", [
     # int8's smallest cache (4 sinks + one quantized block + the bf16 filling block) is ~102 bf16 tokens
     (["--memory-of", "bf16:64"], "less than the smallest cache of 'sinks + int8'"),
-    # 4 sinks + 1 recent token are more than 4 bf16 tokens whatever the model: refused before it loads (issue 64)
+    # 4 sinks + 1 recent token are more than 4 bf16 tokens whatever the model: refused before it loads
     (["--memory-of", "bf16:4"], "--sink-tokens 4: a cache with 4 sinks and one recent token is larger than "
                                 "--memory-of bf16:4"),
     (["--memory-of", "bf16:512", "--tokens", "1000"], "must be at least"),

@@ -1,4 +1,4 @@
-"""qsinkkv-eval recall (issue 42): the pass-key prompts put the key exactly ``distance`` tokens before the end, the
+"""qsinkkv-eval recall: the pass-key prompts put the key exactly ``distance`` tokens before the end, the
 counting rule, the sizes at equal memory, the command's argument errors (exit 2, nothing written) and a tiny run on
 the real model."""
 import json

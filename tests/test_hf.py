@@ -287,7 +287,7 @@ def test_bad_model_config(lm):
         QSinkKVCache(CacheConfig(), sliding)  # (window layers are served, each keeping its window: which?)
 
 
-# --- issue 9: refusals that leave the layers in step; crop and reset as transformers does -------------
+# --- refusals that leave the layers in step; crop and reset as transformers does -------------
 
 def test_portable_mode_refuses_a_left_padded_prompt(lm):
     """Pads would become sinks once the stream passes the capacity (a silent wrong answer before)."""
@@ -304,7 +304,7 @@ def test_portable_mode_refuses_a_left_padded_prompt(lm):
 
 @pytest.mark.parametrize("pad_id", ["eos", 1234])
 def test_portable_mode_refuses_a_padded_mask_without_position_ids(lm, pad_id):
-    """Issue 24.1: a left-padded prompt fed by hand (no position_ids: the model numbers the columns, as the
+    """A left-padded prompt fed by hand (no position_ids: the model numbers the columns, as the
     cache does) with its mask: the pads would become sinks past the capacity, the logits moving with the
     pad id. Refused at the prompt, nothing stored; the same run unpadded streams past the capacity."""
     model, tok, ids = lm
@@ -340,7 +340,7 @@ def test_portable_mode_built_from_the_config_stops_at_the_capacity(lm):
 
 
 def test_pool_backed_cache_refuses_beam_search_by_name(lm):
-    """Issue 24.8: generate(num_beams=2) over a pool-backed cache gets the README's message, not a shape error."""
+    """Generate(num_beams=2) over a pool-backed cache gets the README's message, not a shape error."""
     from qsinkkv.paged import PagedCache
     model, _, ids = lm
     use(model, "qsinkkv")
@@ -357,7 +357,7 @@ def test_pool_backed_cache_refuses_beam_search_by_name(lm):
 
 @pytest.mark.parametrize("rope", [None, {}, {"rope_type": "default"}])
 def test_cache_index_without_rope_theta_names_it(lm, rope):
-    """Issue 24.7: rope_parameters with no rope_theta: a KeyError before."""
+    """Rope_parameters with no rope_theta: a KeyError before."""
     model, _, _ = lm
     cfg = copy.deepcopy(model.config)
     cfg.rope_parameters = rope
@@ -463,7 +463,7 @@ def test_reset_takes_a_new_batch_size(lm):
     assert torch.equal(got, ref)
 
 
-# --- padded batches in float64 (from the review of the per-sequence-lengths work, issue 10) -----------------
+# --- padded batches in float64 (from the review of the per-sequence-lengths work) -----------------
 
 PROMPTS = ["Once upon a time there was", "The capital of France is Paris and the capital of Italy is"]
 HF_CFG = CacheConfig(sink_tokens=4, recent_tokens=12, bits=4, block_size=4, value_group_size=32)

@@ -1,4 +1,4 @@
-"""Models with trained window layers through transformers (issue 65; issue 64, item 5): tiny random-weight models, no
+"""Models with trained window layers through transformers: tiny random-weight models, no
 download -- a Gemma 3 whose layers 2 and 5 are global and the rest keep a trained window of 8 tokens, a Mistral with
 a model-wide window, a gpt-oss (alternating window and full layers, learned sinks).
 
@@ -94,7 +94,7 @@ def generate(model, impl, ids, **kwargs):
 # --- no QSinkKVCache: the model as trained --------------------------------------------------------------------
 
 def test_without_a_cache_the_qsinkkv_attention_runs_the_model_as_trained(family):
-    """Issue 64, item 5: without a QSinkKVCache the qsinkkv attention ran every layer as full attention (Gemma 3
+    """Without a QSinkKVCache the qsinkkv attention ran every layer as full attention (Gemma 3
     270M: perplexity 68 where stock reads 44). Now each layer's own mask: stock's logits with no cache, with
     transformers' own cache (a chunk after a prefix: the causal mask aligned to the newest key), a left-padded
     batch, and stock's greedy tokens."""

@@ -39,7 +39,7 @@ def poisoned(cache):
     return cache
 
 
-FP16_TOL = 3e-3  # fp16 tensor-core operands, in the interpreter as on a GPU (issue 11's bound)
+FP16_TOL = 3e-3  # fp16 tensor-core operands, in the interpreter as on a GPU
 
 
 @pytest.fixture(params=list(decode_mod.VARIANTS))

@@ -199,7 +199,7 @@ def test_packed_input_equals_padded_and_slot_mapping_names_where_tokens_land():
 
 
 def test_a_step_refused_in_a_later_layer_leaves_the_free_lists_in_their_order():
-    """Issue 64, defect 6: a step that layer 0 took for two sequences, each taking new blocks, refused at layer 1:
+    """A step that layer 0 took for two sequences, each taking new blocks, refused at layer 1:
     lengths, tables and which blocks are free came back, but the free lists came back reordered (the blocks given
     back row by row in the order they were taken), so later steps took other blocks. Now in their order."""
     cfg = CacheConfig(sink_tokens=1, recent_tokens=6, bits=8, block_size=2, value_group_size=4)
@@ -276,10 +276,10 @@ def test_bad_sizes_and_calls_are_named():
     check_accounting(pool)
 
 
-# --- reservations, refusals by name (issue 24) --------------------------------------------------
+# --- reservations, refusals by name --------------------------------------------------
 
 def test_a_step_gives_back_what_a_reservation_took_beyond_it():
-    """Issue 24.2: reserve({a: 8}) then one-token steps held the 8 tokens' blocks until crop/reset/release,
+    """Reserve({a: 8}) then one-token steps held the 8 tokens' blocks until crop/reset/release,
     and admitting b raised PoolExhausted although the pool fits it. Held == needed after every call."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
     L = cfg.recent_tokens // cfg.block_size
@@ -312,7 +312,7 @@ def test_refused_reservation_after_a_larger_one_changes_nothing():
 
 
 def test_packed_step_with_no_sequence_says_admit():
-    """Issue 24.5: max() of an empty reduction before."""
+    """Max() of an empty reduction before."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
     pool = PagedCache(cfg, 1, HKV, D, max_seqs=2, float_blocks=2, quant_blocks=4, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"admit\(\) one first"):
@@ -322,7 +322,7 @@ def test_packed_step_with_no_sequence_says_admit():
 
 @pytest.mark.parametrize("pool_bytes", [2**70, 10**30])
 def test_a_pool_larger_than_the_device_is_named(pool_bytes):
-    """Issue 24.7: a torch overflow error before; now pool_bytes and what the device holds."""
+    """A torch overflow error before; now pool_bytes and what the device holds."""
     cfg = CacheConfig(sink_tokens=2, recent_tokens=8, bits=4, block_size=2, value_group_size=4)
     with pytest.raises(ValueError, match=r"pool_bytes=\d+ is more than cpu has \(\d+ bytes\)"):
         PagedCache.for_bytes(cfg, 1, HKV, D, pool_bytes)

@@ -58,7 +58,7 @@ def test_torch_prefill_equals_the_reference(bits, S, W, bs):
         assert rel(got, ref) < 1e-5 and rel(got, ref64) < 1e-5, kw
 
 
-# From the review of issue 10, a defect now fixed: prefill_attention_reference masked the padding keys from the
+# From a review, a defect now fixed: prefill_attention_reference masked the padding keys from the
 # scores, but the padding *values* still entered ``probs @ v``, so a NaN/Inf value in a row's padding (which the
 # cache accepts: it is never stored or seen) turned every real query of that row into NaN (0 * NaN = NaN).
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

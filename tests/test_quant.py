@@ -97,7 +97,7 @@ def test_overflowing_scale_dtype_is_refused():
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_a_range_past_float32_is_refused_on_arrival_and_never_suggests_float32(scale_dtype):
-    """Issue 64, defect 4: tokens of +-3e38 were accepted as they arrived, then their block's max - min overflowed
+    """Tokens of +-3e38 were accepted as they arrived, then their block's max - min overflowed
     float32 when it completed and every later step of the batch was refused (the bf16 message suggested float32,
     which fails the same way). Now the value check refuses them on arrival, nothing stored; a quantizer handed such
     a range directly says no scale dtype fits."""

@@ -63,7 +63,7 @@ def test_serve_each_request_equals_its_run_alone(model_tok, bits):
                                        (["--capacity", "4", "--sinks", "4"], "--sinks"),
                                        (["--threads", "x"], "--threads")])
 def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys, monkeypatch):
-    """Issue 24.10: reshape errors inside the model, ZeroDivisionError and tracebacks before."""
+    """Reshape errors inside the model, ZeroDivisionError and tracebacks before."""
     monkeypatch.setattr(serve, "load_model", lambda **_: pytest.fail("the model was loaded before the flags"))
     with pytest.raises(SystemExit) as e:
         serve.main(argv)

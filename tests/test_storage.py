@@ -52,7 +52,7 @@ def test_nbytes_counts_every_tensor():
 @pytest.mark.parametrize("backend", ["torch", "c"])
 @pytest.mark.parametrize("bits", [4, 16])
 def test_a_sequence_never_reads_blocks_it_does_not_hold(bits, backend):
-    """Issue 41, defect 3: with every free block of a ``PagedCache`` pool filled with NaN, a sequence alone in the
+    """With every free block of a ``PagedCache`` pool filled with NaN, a sequence alone in the
     pool continuing with multi-token chunks (its table's -1 slots: blocks not yet written) gets finite rows, the
     same bits as with the free blocks holding zeros (before: every such chunk came back all NaN)."""
     from qsinkkv.paged import PagedCache

@@ -76,7 +76,7 @@ def test_refused_ragged_step_rolls_back(bits, S, W, bs, R, prompts, decode_steps
             assert torch.equal(a.attend(layer, q, k, v), b.attend(layer, q, k, v))
 
 
-# From the review of the per-sequence-lengths work (issue 10), a defect now fixed: a ragged decode step (rows at
+# From the review of the per-sequence-lengths work, a defect now fixed: a ragged decode step (rows at
 # different lengths, one indexed write) with block_size=1 and a window that is wholly unquantized (bits=16, or
 # residual_tokens == recent_tokens) wrote the new token into the float-ring row that holds the oldest token the
 # shorter stream still sees, but saved that row in the Undo record only for rows that complete a *visible* block.

@@ -10,7 +10,7 @@ W=60, block 32: capacity 64, every row streams past it) and ``int4`` (the same w
 converts the default model to the safetensors folder vLLM loads (``qsinkkv.models.default_model_dir``)
 and writes its path.
 
-Models with trained window layers (issue 65): ``gemma3_bits16`` / ``gemma3_int4`` and ``gptoss_bits16`` /
+Models with trained window layers: ``gemma3_bits16`` / ``gemma3_int4`` and ``gptoss_bits16`` /
 ``gptoss_int4`` run the same configs on a tiny random Gemma 3 (``tiny_gemma3``: layers 2 and 5 global, the rest a
 trained window of 24 tokens) and a tiny random gpt-oss (``tiny_gpt_oss``: a window layer and a global one, learned
 sinks, experts), each saved beside OUT.json with the default model's tokenizer, under QSinkKVCache's per-layer-type

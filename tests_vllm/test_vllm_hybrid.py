@@ -1,8 +1,8 @@
-"""qsinkkv inside vLLM on models with trained window layers (issue 65): a tiny random Gemma 3 (``make_reference.py``'s
+"""qsinkkv inside vLLM on models with trained window layers: a tiny random Gemma 3 (``make_reference.py``'s
 ``tiny_gemma3``: layers 2 and 5 global, the rest a trained window of 24 tokens) and a tiny random gpt-oss
 (``tiny_gpt_oss``: a window layer, a global one, learned sinks, experts) under the per-layer-type policy -- its
 global layers on qsinkkv's sinks + window, its window layers on qsinkkv's pages with exactly their window and no
-sinks, each type its own KV cache group in vLLM's hybrid allocator. Before issue 65 the plugin refused the model at
+sinks, each type its own KV cache group in vLLM's hybrid allocator. Before, the plugin refused the model at
 start (``sliding_window`` by name)."""
 from dataclasses import replace
 

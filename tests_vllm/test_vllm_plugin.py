@@ -57,7 +57,7 @@ def test_past_capacity_follows_qsinkkv_reference(reference, llm):
 def test_a_preempted_request_gives_the_tokens_it_gives_without_preemption(reference):
     """bits=16 float32, S=4 W=60, 4 of the reference's prompts x 96 tokens streaming past the capacity, in a pool
     of 10 blocks (a request holds up to 4): vLLM preempts requests and recomputes them from their prompts. Every
-    request completes, and gives the tokens it gives in a pool with room for all (issue 41)."""
+    request completes, and gives the tokens it gives in a pool with room for all."""
     run = reference["bits16"]
     spec = {"prompts": run["prompts"][:4], "max_tokens": 96, "qsinkkv": run["config"],
             "max_model_len": 256, "count_preemptions": True}

@@ -172,7 +172,7 @@ def test_server_stops_cleanly(server):
         _get(server["port"], "/health")
 
 
-# --- preemption (issue 41, defect 1): a pool too small for the load, so vLLM preempts and recomputes requests -----
+# --- preemption: a pool too small for the load, so vLLM preempts and recomputes requests -----
 
 PREEMPT_CONFIG = {"sink_tokens": 4, "recent_tokens": 252, "bits": 4, "block_size": 32, "value_group_size": 32}
 PREEMPT_REQUESTS, PREEMPT_TOKENS, PREEMPT_DEADLINE = 24, 300, 600

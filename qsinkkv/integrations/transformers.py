@@ -11,8 +11,9 @@ Two modes, chosen by the model's attention implementation at every forward:
 
 * ``attn_implementation="qsinkkv"`` (registered on import; also ``model.set_attn_implementation``):
   ``update`` stores nothing and hands the new K/V to the registered attention function, which
-  stores them and attends straight from the quantized storage (the Triton kernel on CUDA, the
-  PyTorch path elsewhere) under the exact sink + window mask. Prefill longer than the capacity
+  stores them and attends straight from the quantized storage (the kernels ``backend="auto"`` picks
+  once: Triton's on CUDA, the C decode on the CPU where it compiles and serves the contract, else
+  PyTorch's; ``qsinkkv.ops.resolve_backend``) under the exact sink + window mask. Prefill longer than the capacity
   is exact. Both position contracts; padded batches (left-padded by ``generate``, or any mask):
   the pads are never stored, each row keeps its own sinks, window and positions.
 * any other implementation (sdpa, eager, ...) — portable: ``update`` stores the new tokens and

@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP    := $(PYTHON) -m pip
 
-.PHONY: install demo frontier test test-fast test-sanitize memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
+.PHONY: install demo frontier test test-fast test-sanitize test-isa memory bench-decode bench-generate bench-prefill bench-pool stream serve gpu-check gpu-check-tiny
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk; a bare `torch`
 # requirement could otherwise pull a multi-GB CUDA build.
@@ -53,6 +53,25 @@ test-sanitize: install
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:verify_asan_link_order=0 UBSAN_OPTIONS=print_stacktrace=1 && \
 	$(PYTHON) -c '$(SANITIZE_CHECK)' && \
 	$(PYTHON) -m pytest -q -p no:cacheprovider -p no:xdist -m "not model" $(SANITIZE_TESTS)
+
+# The C kernels against each instruction set they compile for: on x86-64 the scalar bodies (-march=x86-64), AVX2
+# (x86-64-v3) and this machine's own (native: AVX-512 where it has it), each library built into a fresh cache
+# (QSINKKV_MARCH) and asserted to be the ISA it claims, then the tests that call it (no model). Elsewhere: native only
+ISA_TARGETS := $(if $(filter x86_64,$(shell uname -m)),x86-64:scalar x86-64-v3:avx2 native:,native:)
+ISA_TESTS   := tests/test_decode_c.py tests/test_engine_pages.py \
+	--deselect tests/test_decode_c.py::test_a_corrupt_cached_library_is_rebuilt
+
+test-isa: install
+	@for target in $(ISA_TARGETS); do \
+		march=$${target%%:*}; want=$${target#*:}; cache=$$(mktemp -d); \
+		QSINKKV_MARCH=$$march QSINKKV_CACHE=$$cache $(PYTHON) -c "from qsinkkv import decode_c; \
+			ok, why = decode_c.available(); assert ok, why; isa = decode_c.isa(); \
+			assert '$$want' in ('', isa), ('-march=$$march built', isa, 'not $$want'); \
+			print('test-isa: -march=$$march builds the', isa, 'paths')" && \
+		QSINKKV_MARCH=$$march QSINKKV_CACHE=$$cache $(PYTHON) -m pytest -q -p no:cacheprovider -p no:xdist \
+			-m "not model" $(ISA_TESTS); \
+		code=$$?; rm -rf $$cache; [ $$code -eq 0 ] || exit $$code; \
+	done
 
 memory: install
 	$(PYTHON) benchmarks/memory.py

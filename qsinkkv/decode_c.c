@@ -1319,6 +1319,21 @@ const char *qsinkkv_field(int64_t which, int64_t i, int64_t *offset_size_kind) {
     return tables[which][i].name;
 }
 
+/* The instruction set this build's vector paths use, fixed by the compiler's target (-march, QSINKKV_MARCH):
+ * "avx512" (16-lane products), "avx2" (8 lanes, AVX2 widening and FMA), "avx" (8 lanes), else "scalar" (the portable
+ * bodies, which the compiler may still vectorize: every other target, aarch64 included). decode_c.isa(). */
+const char *qsinkkv_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#elif defined(__AVX__)
+    return "avx";
+#else
+    return "scalar";
+#endif
+}
+
 /* Status i (0, 1, ...): its name, with *value its value; NULL past the last (decode_c.py compares the table with
  * its Status when it opens the library). */
 const char *qsinkkv_status(int64_t i, int64_t *value) {

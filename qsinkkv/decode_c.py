@@ -133,11 +133,15 @@ def _load() -> ctypes.CDLL:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
     except FileNotFoundError:
         raise NoCompiler(f"no C compiler: {cc[0]!r} not found (install one, or set CC)") from None
-    # the library holds code for this machine's CPU (-march=native): its flags are part of the key
+    # the library holds code for one instruction set: this machine's (-march=native, the default) or the target
+    # QSINKKV_MARCH names (x86-64: the scalar bodies; x86-64-v3: AVX2; a CI matrix tests each); the CPU's flags and
+    # the build's are part of the key
+    march = os.environ.get("QSINKKV_MARCH") or "native"
     cpu = next((line for line in _cpuinfo() if line.startswith(("flags", "Features"))), platform.processor())
     cache = cache_dir()
     errors = []
-    for flags in (["-O3", "-march=native"], ["-O3"]):  # (some compilers take no -march=native)
+    # (some compilers take no -march=native: then the compiler's default target; a named target is never dropped)
+    for flags in (["-O3", f"-march={march}"], *([["-O3"]] if march == "native" else [])):
         flags = [*flags, "-fopenmp-simd", "-fPIC", "-shared"]
         key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(flags), " ".join(cc), version, cpu,
                                         platform.machine()]).encode()).hexdigest()[:16]
@@ -188,12 +192,20 @@ def _open(lib: Path) -> ctypes.CDLL:
         if _c_fields(dll, which) != _py_fields(struct):
             raise _StaleLibrary(f"{lib}: decode_c.c's {struct.__name__[1:]} and decode_c.py's {struct.__name__} "
                                 f"disagree: C {_c_fields(dll, which)}, Python {_py_fields(struct)}")
+    dll.qsinkkv_isa.restype = ctypes.c_char_p
     dll.qsinkkv_status.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
     dll.qsinkkv_status.restype = ctypes.c_char_p
     if _c_statuses(dll) != {s.name: s.value for s in Status}:
         raise _StaleLibrary(f"{lib}: decode_c.c's return codes and decode_c.py's Status disagree: C "
                             f"{_c_statuses(dll)}, Python {({s.name: s.value for s in Status})}")
     return dll
+
+
+def isa() -> str:
+    """The instruction set the loaded C library's vector paths use: "avx512", "avx2", "avx" or "scalar" (fixed when it
+    was built, by the compiler's target: ``QSINKKV_MARCH``, default this machine's). Raises where there is none."""
+    _require_lib()
+    return _lib.qsinkkv_isa().decode()
 
 
 def _c_statuses(dll: ctypes.CDLL) -> dict[str, int]:

@@ -5,6 +5,7 @@ beside the PyTorch CPU path: ``tests/test_decode.py::test_cpu_decode_matches_ref
 import ctypes
 import math
 import os
+import shlex
 import subprocess
 import sys
 import warnings
@@ -356,6 +357,7 @@ def test_backend_choice_and_refusals(monkeypatch, tmp_path):
     # a machine whose compiler fails: auto falls back to torch, "c" says why
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("QSINKKV_CACHE", str(tmp_path))
+    monkeypatch.delenv("QSINKKV_MARCH", raising=False)  # (the default target: native, then the compiler's own)
     with pytest.raises(RuntimeError, match="false -O3 -march=native .* failed: .*; false -O3 -fopenmp-simd .* failed"):
         decode_c._load()
     monkeypatch.setattr(decode_c, "_lib", None)
@@ -432,6 +434,36 @@ def test_the_return_codes_are_one_table_in_c_and_python(monkeypatch, change):
     monkeypatch.setattr(decode_c, "Status", enum.IntEnum("Status", members))
     with pytest.raises(decode_c._StaleLibrary, match="return codes and decode_c.py's Status disagree"):
         decode_c._open(lib)
+
+
+def _target_isa(march: str) -> str:
+    """The instruction set the compiler's target ``-march=march`` gives decode_c.c's paths, from its own macros."""
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    macros = subprocess.run([*cc, f"-march={march}", "-dM", "-E", "-"], input="", capture_output=True,
+                            text=True).stdout
+    for isa, macro in (("avx512", "__AVX512F__"), ("avx2", "__AVX2__"), ("avx", "__AVX__")):
+        if f"#define {macro} " in macros:
+            return isa
+    return "scalar"
+
+
+def test_the_library_reports_the_instruction_set_its_build_targets():
+    """``decode_c.isa()`` is the instruction set of the target the library was built for (``QSINKKV_MARCH``, default
+    native), as the compiler's own macros for that target say: the ISA matrix (``make test-isa``) runs the C tests
+    against a scalar, an AVX2 and the native build, each asserted to be what it claims."""
+    decode_c._require_lib()
+    assert decode_c.isa() == _target_isa(os.environ.get("QSINKKV_MARCH") or "native")
+    assert decode_c.isa() in ("avx512", "avx2", "avx", "scalar")
+
+
+def test_a_named_target_the_compiler_refuses_is_never_dropped(monkeypatch, tmp_path):
+    """A build for ``QSINKKV_MARCH`` that fails stops, naming the target: the library never silently becomes another
+    instruction set's (only the default, native, falls back to the compiler's own target)."""
+    monkeypatch.setenv("QSINKKV_CACHE", str(tmp_path))
+    monkeypatch.setenv("QSINKKV_MARCH", "no-such-cpu")
+    with pytest.raises(RuntimeError, match=r"-march=no-such-cpu .* failed") as refused:
+        decode_c._load()
+    assert "; " not in str(refused.value)  # (one attempt: no fallback build)
 
 
 @pytest.mark.parametrize("cc", ["cc -O2", "env cc"])

@@ -120,3 +120,22 @@ def test_gpu_check_tiny(tmp_path):
     assert pages["decode_variant"] == "dequantize"
     fp16 = json.loads((dest / "decode_pages_fp16.json").read_text())  # the fp16 body over the pages, no stack
     assert fp16["decode_variant"] == "fp16" and [r["bits"] for r in fp16["pages"]] == [8, 4] and "e2e" not in fp16
+
+
+def test_ab_runs_each_revision_s_own_qsinkkv(tmp_path):
+    """``benchmarks/ab.sh``: the command runs once per revision and round, each time importing that revision's
+    ``qsinkkv`` (a temporary worktree; "." the working tree), never the installed one; the worktrees go after."""
+    root = BENCH.parent
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: ab.sh checks revisions out of its history")
+    command = 'python -c "import qsinkkv; print(qsinkkv.__file__)"'
+    proc = subprocess.run(["bash", str(BENCH / "ab.sh"), "--rounds", "2", "--out", str(tmp_path), "HEAD", ".", "--",
+                           command], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for round_ in (1, 2):
+        head = (tmp_path / f"HEAD-{round_}.txt").read_text().strip()
+        tree = (tmp_path / f"tree-{round_}.txt").read_text().strip()
+        assert tree == str(root / "qsinkkv" / "__init__.py"), tree
+        assert head.endswith("/HEAD/qsinkkv/__init__.py") and not head.startswith(str(root)), head
+    worktrees = subprocess.run(["git", "-C", str(root), "worktree", "list"], capture_output=True, text=True).stdout
+    assert "/HEAD" not in worktrees, worktrees

@@ -2,7 +2,7 @@
 (which goes first alternating), so the host's drift between runs falls on both alike: base's ``qsinkkv`` loaded
 as ``qsinkkv_base`` from BASE (a checkout's package folder), main's as installed.
 
-    python ab_write.py [BASE]        # BASE: /tmp/base/qsinkkv (28b3338 here)
+    python ab_write.py BASE        # BASE: a checkout's package folder (28b3338's here)
 """
 import importlib
 import importlib.util
@@ -41,7 +41,7 @@ def setup(package: str, lengths: list[int], T: int, B: int = 8):
 
 
 def main() -> None:
-    load("qsinkkv_base", sys.argv[1] if len(sys.argv) > 1 else "/tmp/base/qsinkkv")
+    load("qsinkkv_base", sys.argv[1])
     torch.set_num_threads(1)
     cases = {"decode, equal lengths": ([150] * 8, 1),
              "decode, different lengths": ([150 + 5 * b for b in range(8)], 1),

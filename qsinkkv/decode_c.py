@@ -772,7 +772,7 @@ class EngineDecode:
                              f"(every row one new token past its sinks), got a plan of {step_plan.batch_size} rows "
                              f"bringing {list(step_plan.lens)} tokens after {step_plan.held.tolist()}")
         layout, held, wrote = store.layout, step_plan.held, step_plan.write
-        self.plan, self.refuse = step_plan, refuse
+        self.refuse = refuse
         self.bias = layout.visible_bias(held + 1, store.device)
         self.index = [t.contiguous() for t in (wrote.full_at, wrote.full_rows, wrote.full_block, wrote.full_from,
                                                 wrote.float_at, wrote.float_rows, wrote.float_row)]

@@ -97,8 +97,8 @@ def split(plan: StepPlan, q: Tensor | None, k: Tensor, v: Tensor) -> Split:
 
 
 def check_values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: Tensor, v: Tensor, q: Tensor | None,
-           sink_logits: Tensor | None, packed: bool = False, peaks: Callable[[list[Tensor]], list[float]] | None = None
-           ) -> None:
+                 sink_logits: Tensor | None, packed: bool = False,
+                 peaks: Callable[[list[Tensor]], list[float]] | None = None) -> None:
     """One device sync for every value check: the K/V to be stored finite in the dtype they are stored in
     (a sequence's first ``sink_tokens`` in ``sink_dtype``, later ones in ``window_dtype``; ``seq_lens [B]`` host:
     tokens held before the step), q finite, sink_logits free of NaN and +inf. A packed step (``packed``: k, v, q
@@ -106,10 +106,10 @@ def check_values(config: CacheConfig, seq_lens: Tensor, split: Split | None, k: 
     (``checks.packed_tokens_fit``); a uniform chunk past the sinks with one reduction per tensor; otherwise each row
     group of ``split`` on only the columns that hold real tokens (a mixed step must not cost B x T). ``peaks``: the
     whole-tensor reduction of the host checks (``Ops.peaks``: ``peaks_torch``, the default, or
-    ``decode_c.peaks_c``).."""
+    ``decode_c.peaks_c``)."""
     held, peaks = seq_lens, peaks or checks.peaks_torch
     refused = lambda ok: checks.raise_refused(ok, config, lambda x: _refused_rows(config, held, split, x, packed),  # noqa: E731
-                                        {"k": k, "v": v})
+                                              {"k": k, "v": v})
     if packed and k.device.type != "cpu":  # an engine's step on its GPU: no host read
         return _packed_tokens_fit_in_step(config, held, split, k, v, q, sink_logits)
     if packed:

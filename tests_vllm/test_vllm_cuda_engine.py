@@ -111,14 +111,12 @@ def test_vllm_034s_scheduler_holds_a_window_of_blocks_and_frees_them(bits):
     free_at_start = manager.block_pool.get_num_free_blocks()
     request = Request("r0", list(range(20)), SamplingParams(max_tokens=200), None)
     single = manager.coordinator.single_type_managers[0]
-    held = []
-    new = 20
+    null, held, new = single._null_block, [], 20
     for _ in range(201):
         assert manager.allocate_slots(request, new) is not None
         request.num_computed_tokens += new
         request.append_output_token_ids(7)
         new = 1
-        null = single._null_block
         held.append(sum(b is not null for b in single.req_to_blocks["r0"]))
     if bits == 16:  # the sinks' blocks, the window's, and the one it spills into
         bound = -(-cfg.sink_tokens // bs) + -(-cfg.recent_tokens // bs) + 1
